@@ -1,0 +1,24 @@
+"""Runs the encoder service: `python -m encoder_service` (settings from ENCODER_* env)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from encoder_service.server import start_encoder_server
+from encoder_service.settings import EncoderSettings
+from shared.grpc_server import serve_until_signal
+
+
+async def main() -> None:
+    settings = EncoderSettings()
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s encoder %(name)s: %(message)s")
+    server = await start_encoder_server(settings)
+    logging.getLogger(__name__).info("encoder %s ready on port %d", server.core.encoder_id, server.port)
+    await serve_until_signal(server.running, settings.grace_s)
+    await server.core.batcher.aclose()
+    await server.core.store.aclose()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,138 @@
+"""Encode-once logic: key, cache check, single flight, encode, store, counters.
+
+No gRPC here: the servicer converts protos to these calls and back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from encoder_service.batcher import MicroBatcher
+from encoder_service.fetch import FetchPolicy, fetch_image
+from encoder_service.images import decode_data_url, load_image
+from encoder_service.vision import VisionEncoder
+from shared.blob import BlobRules, EmbeddingBlob, decode_blob, encode_blob
+from shared.errors import EmbeddingNotFound, InvalidEmbedding, InvalidInput, TooLarge
+from shared.keys import embedding_key
+from shared.store import EmbeddingStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """Exactly one of `data` (file bytes) or `url` (data: or http(s) URL)."""
+
+    data: bytes | None = None
+    url: str | None = None
+
+
+@dataclass(frozen=True)
+class EncodeResult:
+    key: str
+    grid_thw: list[int]  # [t, h, w]
+    num_tokens: int
+    cache_hit: bool
+    encoder_id: str
+
+
+@dataclass
+class EncoderCounters:
+    images_encoded: int = 0
+    cache_hits: int = 0
+    coalesced: int = 0
+
+
+@dataclass(frozen=True)
+class EncoderLimits:
+    max_image_bytes: int
+    max_decoded_pixels: int
+    max_pixels_limit: int
+    fetch: FetchPolicy
+
+
+@dataclass
+class EncoderCore:
+    vision: VisionEncoder
+    encoder_id: str
+    store: EmbeddingStore
+    limits: EncoderLimits
+    batcher: MicroBatcher[tuple[torch.Tensor, torch.Tensor], torch.Tensor]
+    counters: EncoderCounters = field(default_factory=EncoderCounters)
+    _in_flight: dict[str, asyncio.Task[EncodeResult]] = field(default_factory=dict)
+
+    @property
+    def rules(self) -> BlobRules:
+        return BlobRules(self.vision.merge_size, self.vision.hidden_size, frozenset({self.encoder_id}))
+
+    async def encode(self, source: ImageSource, min_pixels: int = 0, max_pixels: int = 0) -> EncodeResult:
+        """Key of the image's stored embeddings, encoding only when Redis lacks it."""
+        image_bytes = await self._image_bytes(source)
+        min_px, max_px = self._pixel_bounds(min_pixels, max_pixels)
+        key = embedding_key(self.encoder_id, image_bytes, min_px, max_px)
+        running = self._in_flight.get(key)
+        if running is not None:
+            self.counters.coalesced += 1
+            result = await asyncio.shield(running)
+            return EncodeResult(result.key, result.grid_thw, result.num_tokens, True, result.encoder_id)
+        task = asyncio.create_task(self._encode_or_reuse(key, image_bytes, min_px, max_px))
+        self._in_flight[key] = task
+        task.add_done_callback(lambda _: self._in_flight.pop(key, None))
+        # Shielded: a caller that goes away does not cancel work others may be waiting on.
+        return await asyncio.shield(task)
+
+    async def get_blob(self, key: str) -> bytes:
+        (data,) = await self.store.get_many([key])
+        if data is None:
+            raise EmbeddingNotFound(f"no embedding stored under {key!r}", keys=[key], param="key")
+        return data
+
+    async def _image_bytes(self, source: ImageSource) -> bytes:
+        if (source.data is None) == (source.url is None):
+            raise InvalidInput("exactly one of image_bytes or image_url must be set", param="source")
+        if source.data is not None:
+            data = source.data
+        elif source.url.startswith("data:"):
+            data = decode_data_url(source.url, self.limits.max_image_bytes)
+        else:
+            data = await fetch_image(source.url, self.limits.fetch)
+        if len(data) > self.limits.max_image_bytes:
+            raise TooLarge(f"image is {len(data)} bytes, over the limit of {self.limits.max_image_bytes}", param="image")
+        return data
+
+    def _pixel_bounds(self, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+        min_px = min_pixels or self.vision.default_min_pixels
+        max_px = max_pixels or self.vision.default_max_pixels
+        if min_pixels < 0 or max_pixels < 0:
+            raise InvalidInput("min_pixels and max_pixels must not be negative", param="min_pixels")
+        if max_px > self.limits.max_pixels_limit:
+            raise InvalidInput(f"max_pixels {max_px} exceeds the limit of {self.limits.max_pixels_limit}", param="max_pixels")
+        if min_px > max_px:
+            raise InvalidInput(f"min_pixels {min_px} is greater than max_pixels {max_px}", param="min_pixels")
+        return min_px, max_px
+
+    async def _encode_or_reuse(self, key: str, image_bytes: bytes, min_px: int, max_px: int) -> EncodeResult:
+        stored = await self.store.get_and_touch(key)
+        if stored is not None:
+            try:
+                blob = decode_blob(stored, self.rules, where=key)
+                self.counters.cache_hits += 1
+                return self._result(key, blob, cache_hit=True)
+            except InvalidEmbedding:
+                logger.warning("stored blob %s breaks the contract; re-encoding", key)
+        image = await asyncio.to_thread(load_image, image_bytes, self.limits.max_decoded_pixels)
+        pixel_values, grid_thw = await asyncio.to_thread(self.vision.preprocess, image, min_px, max_px)
+        embeds = await self.batcher.submit((pixel_values, grid_thw))
+        blob = EmbeddingBlob(embeds, grid_thw, self.encoder_id, "image")
+        data = await asyncio.to_thread(encode_blob, blob, self.rules)
+        await self.store.put(key, data)
+        self.counters.images_encoded += 1
+        return self._result(key, blob, cache_hit=False)
+
+    def _result(self, key: str, blob: EmbeddingBlob, cache_hit: bool) -> EncodeResult:
+        grid = [int(v) for v in blob.grid_thw[0].tolist()]
+        return EncodeResult(key, grid, blob.num_tokens, cache_hit, self.encoder_id)

@@ -1,0 +1,59 @@
+"""Turning client bytes into a decoded RGB image, safely.
+
+Bytes that are not an image, a truncated file, or a decompression bomb are
+refused with InvalidInput before more than the header is decoded.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+import warnings
+
+from PIL import Image, UnidentifiedImageError
+
+from shared.errors import InvalidInput, TooLarge, clip
+
+_DATA_URL = re.compile(r"^data:(?P<mime>image/[A-Za-z0-9.+-]+)?(?P<params>(;[^,;]*)*?);base64,", re.I)
+
+
+def decode_data_url(url: str, max_bytes: int, param: str = "image_url") -> bytes:
+    """The bytes of a `data:image/...;base64,...` URL."""
+    match = _DATA_URL.match(url)
+    if match is None:
+        raise InvalidInput(f"data URL must look like data:image/<type>;base64,<data> (got {clip(url, 40)!r})", param=param)
+    payload = url[match.end() :]
+    if len(payload) > (max_bytes * 4) // 3 + 4:
+        raise TooLarge(f"image in data URL exceeds {max_bytes} bytes", param=param)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidInput("data URL payload is not valid base64", param=param) from None
+
+
+def load_image(data: bytes, max_decoded_pixels: int, param: str = "image") -> Image.Image:
+    """Decodes image bytes to RGB. The size is checked from the header before decoding."""
+    if not data:
+        raise InvalidInput("image is empty", param=param)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            width, height = image.size
+            if width * height > max_decoded_pixels:
+                raise InvalidInput(
+                    f"image is {width}x{height} pixels, over the limit of {max_decoded_pixels} (decompression bomb?)",
+                    param=param,
+                )
+            image.load()
+    except UnidentifiedImageError:
+        raise InvalidInput("bytes are not a recognized image format", param=param) from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise InvalidInput("image is a decompression bomb", param=param) from None
+    except (OSError, SyntaxError, ValueError) as error:
+        raise InvalidInput(f"image could not be decoded (truncated or corrupt): {clip(str(error), 80)}", param=param) from None
+    if image.width < 1 or image.height < 1:
+        raise InvalidInput("image has no pixels", param=param)
+    return image.convert("RGB")

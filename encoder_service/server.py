@@ -1,0 +1,65 @@
+"""Builds and starts the encoder gRPC server from settings (used by __main__ and tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+
+from encoder_service.batcher import MicroBatcher
+from encoder_service.core import EncoderCore, EncoderLimits
+from encoder_service.fetch import FetchPolicy
+from encoder_service.servicer import EncoderServicer
+from encoder_service.settings import EncoderSettings
+from encoder_service.vision import VisionEncoder
+from shared.checkpoints import compute_encoder_id
+from shared.grpc_server import RunningServer, start_server
+from shared.pb.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from shared.store import EmbeddingStore
+
+SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name
+
+
+@dataclass
+class EncoderServer:
+    running: RunningServer
+    core: EncoderCore
+
+    @property
+    def port(self) -> int:
+        return self.running.port
+
+    async def stop(self, grace_s: float = 0) -> None:
+        await self.running.stop(grace_s)
+        await self.core.batcher.aclose()
+        await self.core.store.aclose()
+
+
+def build_core(settings: EncoderSettings) -> EncoderCore:
+    vision = VisionEncoder.load(settings.checkpoint, settings.device, getattr(torch, settings.dtype))
+    encoder_id = settings.encoder_id or compute_encoder_id(Path(settings.checkpoint))
+    batcher = MicroBatcher(vision.encode_batch, settings.max_batch_size, settings.batch_wait_ms / 1000)
+    limits = EncoderLimits(
+        max_image_bytes=settings.max_image_bytes,
+        max_decoded_pixels=settings.max_decoded_pixels,
+        max_pixels_limit=settings.max_pixels_limit,
+        fetch=FetchPolicy(settings.fetch_timeout_s, settings.max_image_bytes, settings.allow_private_urls),
+    )
+    return EncoderCore(vision, encoder_id, EmbeddingStore(settings.store_config()), limits, batcher)
+
+
+async def start_encoder_server(settings: EncoderSettings, core: EncoderCore | None = None) -> EncoderServer:
+    """Loads the vision tower (unless `core` is given), starts serving, and reports SERVING."""
+    core = core or build_core(settings)
+    core.batcher.start()
+
+    def register(server: grpc.aio.Server) -> None:
+        encoder_pb2_grpc.add_EncoderServiceServicer_to_server(EncoderServicer(core), server)
+
+    running = await start_server(
+        register, [SERVICE_NAME], f"{settings.host}:{settings.port}", settings.grpc_max_message_bytes
+    )
+    await running.set_serving(True)
+    return EncoderServer(running, core)

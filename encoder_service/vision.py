@@ -1,0 +1,124 @@
+"""The Qwen2-VL vision tower alone, with its PIL image processor.
+
+The encoder pod never needs the language model: only `visual.*` weights are read from the
+checkpoint, so a 7B checkpoint costs the encoder a ~600M-parameter tower, not the whole model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from PIL import Image
+from safetensors import safe_open
+from transformers import AutoConfig
+from transformers.initialization import no_init_weights
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+# transformers 5.x save_pretrained writes the hub layout (`visual.`); in-memory 5.x names use
+# `model.visual.`. Accept both so checkpoints from any version load.
+VISION_PREFIXES = ("model.visual.", "visual.")
+
+# One preprocessed image: pixel_values [patches, C*T*P*P] float32, grid_thw [1, 3] int64.
+Preprocessed = tuple[torch.Tensor, torch.Tensor]
+
+
+def read_vision_state_dict(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """Vision-tower tensors of every safetensors shard, names stripped of their layout prefix."""
+    state: dict[str, torch.Tensor] = {}
+    shards = sorted(Path(checkpoint_dir).glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no *.safetensors files in {checkpoint_dir}")
+    for shard in shards:
+        with safe_open(shard, framework="pt") as f:
+            for key in f.keys():
+                for prefix in VISION_PREFIXES:
+                    if key.startswith(prefix):
+                        state[key[len(prefix) :]] = f.get_tensor(key)
+                        break
+    if not state:
+        raise ValueError(f"no vision tower weights (prefix visual. or model.visual.) in {checkpoint_dir}")
+    return state
+
+
+class VisionEncoder:
+    """Preprocesses PIL images and encodes batches of them into LM-space embeddings."""
+
+    def __init__(
+        self,
+        tower: Qwen2VisionTransformerPretrainedModel,
+        processor: Qwen2VLImageProcessorPil,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.tower = tower
+        self.processor = processor
+        self.device = device
+        self.dtype = dtype
+
+    @classmethod
+    def load(cls, checkpoint: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> VisionEncoder:
+        checkpoint_dir = Path(checkpoint)
+        vision_config = AutoConfig.from_pretrained(checkpoint_dir).vision_config
+        # Weights are overwritten right below; skipping the random init saves seconds on a real tower.
+        with no_init_weights():
+            tower = Qwen2VisionTransformerPretrainedModel._from_config(vision_config, dtype=dtype)
+        tower.load_state_dict(read_vision_state_dict(checkpoint_dir), strict=True)
+        tower.to(device=device, dtype=dtype).eval()
+        processor = Qwen2VLImageProcessorPil.from_pretrained(checkpoint_dir)
+        if processor.merge_size != vision_config.spatial_merge_size:
+            raise ValueError(
+                f"image processor merge_size {processor.merge_size} != "
+                f"vision spatial_merge_size {vision_config.spatial_merge_size} in {checkpoint_dir}"
+            )
+        return cls(tower, processor, torch.device(device), dtype)
+
+    @property
+    def merge_size(self) -> int:
+        return int(self.tower.config.spatial_merge_size)
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of one output row: the merger's output, which is the language model's hidden size."""
+        return int(self.tower.config.hidden_size)
+
+    @property
+    def default_min_pixels(self) -> int:
+        return int(self.processor.size.shortest_edge)
+
+    @property
+    def default_max_pixels(self) -> int:
+        return int(self.processor.size.longest_edge)
+
+    def preprocess(
+        self, image: Image.Image, min_pixels: int | None = None, max_pixels: int | None = None
+    ) -> Preprocessed:
+        """Resize into [min_pixels, max_pixels] and patchify; returns (pixel_values, grid_thw [1, 3])."""
+        low = self.default_min_pixels if min_pixels is None else min_pixels
+        high = self.default_max_pixels if max_pixels is None else max_pixels
+        if low <= 0 or high < low:
+            raise ValueError(f"need 0 < min_pixels <= max_pixels, got min_pixels={low}, max_pixels={high}")
+        out = self.processor(
+            images=[image], size={"shortest_edge": low, "longest_edge": high}, return_tensors="pt"
+        )
+        return out["pixel_values"], out["image_grid_thw"].to(torch.int64)
+
+    def rows_for(self, grid_thw: torch.Tensor) -> int:
+        """Embedding rows one image yields: prod(grid_thw) // merge_size**2."""
+        return int(grid_thw.prod()) // self.merge_size**2
+
+    def encode_batch(self, items: list[Preprocessed]) -> list[torch.Tensor]:
+        """Encode several preprocessed images in one forward pass.
+
+        Returns one [rows, hidden_size] tensor per item, on CPU, in the encoder dtype.
+        """
+        if not items:
+            return []
+        pixel_values = torch.cat([pv for pv, _ in items]).to(self.device, self.dtype)
+        grid_thw = torch.cat([grid.reshape(-1, 3) for _, grid in items]).to(self.device, torch.int64)
+        with torch.inference_mode():
+            merged = self.tower(pixel_values, grid_thw=grid_thw).pooler_output
+        sizes = [self.rows_for(grid) for grid in grid_thw]
+        # clone: each result is stored on its own; a view would keep the whole batch alive.
+        return [chunk.to("cpu").clone() for chunk in torch.split(merged, sizes)]

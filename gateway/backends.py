@@ -1,0 +1,58 @@
+"""gRPC clients the gateway talks to: one encoder, and per model a round-robin of LLM services."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.settings import GatewaySettings
+from shared.errors import ModelNotFound, clip
+from shared.sdk import AsyncEncoderClient, AsyncLLMClient
+
+
+class Backends:
+    def __init__(self, settings: GatewaySettings) -> None:
+        timeout, size = settings.request_timeout_s, settings.grpc_max_message_bytes
+        self.encoder = AsyncEncoderClient(settings.encoder_target, timeout, size)
+        self._models: dict[str, list[AsyncLLMClient]] = {
+            name: [AsyncLLMClient(target, timeout, size) for target in targets]
+            for name, targets in settings.models.items()
+        }
+        self._rotations: dict[str, Iterator[AsyncLLMClient]] = {
+            name: itertools.cycle(clients) for name, clients in self._models.items()
+        }
+
+    @property
+    def model_names(self) -> list[str]:
+        return sorted(self._models)
+
+    def llm_for(self, model: str) -> AsyncLLMClient:
+        """The next LLM service for `model` (round robin); ModelNotFound when none serves it."""
+        rotation = self._rotations.get(model)
+        if rotation is None:
+            known = ", ".join(self.model_names) or "none"
+            raise ModelNotFound(f"model {clip(model)!r} does not exist; available: {known}", param="model")
+        return next(rotation)
+
+    async def health(self) -> dict[str, bool]:
+        """SERVING state of every backend, by target."""
+        targets = {self.encoder.target, *(c.target for clients in self._models.values() for c in clients)}
+        return {target: await _is_serving(target) for target in sorted(targets)}
+
+    async def close(self) -> None:
+        await self.encoder.close()
+        for clients in self._models.values():
+            for client in clients:
+                await client.close()
+
+
+async def _is_serving(target: str) -> bool:
+    async with grpc.aio.insecure_channel(target) as channel:
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING

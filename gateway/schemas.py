@@ -1,0 +1,88 @@
+"""OpenAI-style request bodies. One documented form per content part; unknown
+top-level fields are accepted (clients send them) and ignored."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str = Field(description="Plain text.")
+
+
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    url: str = Field(min_length=1, description="An http(s) URL or a data:image/...;base64 URL.")
+    detail: str | None = Field(None, description="Accepted for compatibility; ignored.")
+
+
+class ImageUrlPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["image_url"]
+    image_url: ImageUrl = Field(description="The image, encoded once by the encoder service.")
+
+
+class ImageEmbedsPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["image_embeds"]
+    uuid: str = Field(min_length=1, description="Key of stored embeddings, as returned by /v1/images/encode.")
+    image_embeds: None = Field(None, description="Must be null: the embeddings are fetched by `uuid`.")
+
+
+ContentPart = Annotated[TextPart | ImageUrlPart | ImageEmbedsPart, Field(discriminator="type")]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant"] = Field(description="Who speaks.")
+    content: str | list[ContentPart] = Field(description="A string, or a list of content parts in order.")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = Field(False, description="Send a usage chunk before [DONE].")
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1, description="Model name, as listed by GET /v1/models.")
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation, oldest first.")
+    stream: bool = Field(False, description="Stream chunks as server-sent events.")
+    stream_options: StreamOptions | None = Field(None, description="Streaming options.")
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens (newer OpenAI name).")
+    temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy.")
+    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling mass.")
+    seed: int | None = Field(None, description="Same seed, same output.")
+    stop: str | list[str] | None = Field(None, description="Up to 4 stop strings.")
+    n: int = Field(1, ge=1, le=1, description="Number of choices; only 1 is supported.")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > 4:
+            raise ValueError("at most 4 stop strings")
+        return value
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class EncodeImageRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    image_url: str = Field(min_length=1, description="An http(s) URL or a data:image/...;base64 URL.")
+    min_pixels: int = Field(0, ge=0, description="0 = the encoder's default.")
+    max_pixels: int = Field(0, ge=0, description="0 = the encoder's default.")
+
+
+class EncodeImageResponse(BaseModel):
+    key: str = Field(description="Use as `uuid` of an image_embeds content part.")
+    grid_thw: list[int] = Field(description="[t, h, w] in patches.")
+    num_tokens: int = Field(description="Prompt tokens the image occupies.")
+    encoder_id: str
+    cache_hit: bool

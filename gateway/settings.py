@@ -1,0 +1,25 @@
+"""Gateway settings; every field reads from GATEWAY_<NAME>."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.settings import DEFAULT_GRPC_MAX_MESSAGE_BYTES
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="ignore")
+
+    host: str = Field("0.0.0.0", description="HTTP bind address.")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port.")
+    encoder_target: str = Field("127.0.0.1:50051", description="host:port of the encoder service.")
+    models: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description='Routing, as JSON: model name -> LLM service targets, e.g. {"ft-a": ["127.0.0.1:50061"]}.',
+    )
+    request_timeout_s: float = Field(300.0, gt=0, description="Deadline of one backend call.")
+    max_images_per_request: int = Field(16, gt=0, description="Most images in one chat request.")
+    max_body_bytes: int = Field(48 * 1024 * 1024, gt=0, description="Largest request body accepted.")
+    grpc_max_message_bytes: int = Field(DEFAULT_GRPC_MAX_MESSAGE_BYTES, gt=0, description="Largest gRPC message to backends.")
+    log_level: str = Field("INFO", description="Python logging level.")

@@ -1,0 +1,79 @@
+"""One Generate call: resolve images (fetch + validate), render the prompt, stream from the engine.
+
+Every blob is validated before the engine sees it: engines crash or silently
+misbehave on a bad shape (DESIGN.md, Engines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import torch
+
+from llm_service.engines.base import Engine, EngineRequest, GenerationDelta
+from llm_service.prompt import ChatTurn, ImageSlot, PromptBuilder
+from llm_service.requests import ChatRequest, ImageInput
+from shared.blob import BlobRules, EmbeddingBlob, decode_blob
+from shared.errors import EmbeddingNotFound, IncompatibleEncoder, InvalidEmbedding, InvalidInput, ModelNotFound, clip
+from shared.keys import encoder_id_of_key
+from shared.store import EmbeddingStore
+
+
+@dataclass
+class LLMCore:
+    model_name: str
+    engine: Engine
+    prompt_builder: PromptBuilder
+    store: EmbeddingStore
+    rules: BlobRules
+    max_images: int
+
+    async def generate(self, request: ChatRequest) -> AsyncIterator[GenerationDelta]:
+        """Streams the engine's deltas for a validated request."""
+        if request.model != self.model_name:
+            raise ModelNotFound(f"model {clip(request.model)!r} is not served here (this service serves {self.model_name!r})", param="model")
+        blobs = await self._resolve_images(request.images)
+        turns = [ChatTurn(m.role, [p if isinstance(p, str) else ImageSlot() for p in m.parts]) for m in request.messages]
+        try:
+            prompt_ids = self.prompt_builder.build(turns, [blob.num_tokens for blob in blobs])
+        except ValueError as error:
+            raise InvalidInput(str(error), param="messages") from None
+        grid = torch.cat([b.grid_thw for b in blobs]) if blobs else torch.zeros((0, 3), dtype=torch.int64)
+        engine_request = EngineRequest(
+            request_id=request.request_id,
+            prompt_token_ids=prompt_ids,
+            image_embeds=[b.embeds for b in blobs],
+            image_grid_thw=grid,
+            sampling=request.sampling,
+        )
+        async for delta in self.engine.generate(engine_request):
+            yield delta
+
+    async def _resolve_images(self, images: list[ImageInput]) -> list[EmbeddingBlob]:
+        if len(images) > self.max_images:
+            raise InvalidInput(f"{len(images)} images in one request; the limit is {self.max_images}", param="messages")
+        keys = list(dict.fromkeys(image.key for image in images if image.key is not None))
+        for key in keys:
+            encoder_id = encoder_id_of_key(key, param="image.key")
+            if encoder_id not in self.rules.accepted_encoder_ids:
+                raise IncompatibleEncoder(
+                    f"key {clip(key)!r} was made by encoder {encoder_id!r}, which model {self.model_name!r} does not accept",
+                    param="image.key",
+                )
+        stored = dict(zip(keys, await self.store.get_many(keys), strict=True))
+        missing = [key for key, data in stored.items() if data is None]
+        if missing:
+            raise EmbeddingNotFound(f"no embedding stored under {', '.join(missing)}", keys=missing, param="image.key")
+        return await asyncio.to_thread(self._decode_all, images, stored)
+
+    def _decode_all(self, images: list[ImageInput], stored: dict[str, bytes | None]) -> list[EmbeddingBlob]:
+        blobs = []
+        for index, image in enumerate(images):
+            data = stored[image.key] if image.key is not None else image.blob
+            blob = decode_blob(data or b"", self.rules, where=f"image {index}")
+            if blob.modality != "image" or blob.grid_thw.shape[0] != 1:
+                raise InvalidEmbedding(f"image {index} must hold exactly one image (grid_thw [1, 3])", param="image")
+            blobs.append(blob)
+        return blobs

@@ -1,0 +1,82 @@
+"""Engine-agnostic request, sampling and streaming types, and the Engine protocol.
+
+The service layer speaks only these types, so it never knows whether vLLM or transformers decodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens. temperature 0 means greedy; seed makes sampling reproducible."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class EngineRequest:
+    """One generation.
+
+    prompt_token_ids: rendered prompt with each image's pad token already expanded to its rows.
+    image_embeds: one [rows, hidden] tensor per image, in prompt order.
+    image_grid_thw: [n_images, 3] int64 (n may be 0).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    image_embeds: list[torch.Tensor]
+    image_grid_thw: torch.Tensor
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class GenerationDelta:
+    """A streamed piece of output. The last delta has finish_reason set; usage counts are running totals.
+
+    token_ids may arrive with empty text while a multi-byte character is still incomplete.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@runtime_checkable
+class Engine(Protocol):
+    hidden_size: int
+    tokenizer: PreTrainedTokenizerBase
+
+    # Declared without `async`: implementations are async generators, which calling returns
+    # an AsyncIterator directly (an `async def` here would type it as a coroutine).
+    def generate(self, request: EngineRequest) -> AsyncIterator[GenerationDelta]:
+        """Stream deltas for one request; closing the iterator cancels the generation."""
+        ...

@@ -1,0 +1,253 @@
+"""Exact, slow engine: `Qwen2VLForConditionalGeneration.generate` fed with stored image embeddings.
+
+The image rows are scattered into the `<|image_pad|>` positions of the prompt embeddings; the
+model still gets `input_ids`, `mm_token_type_ids` and `image_grid_thw`, from which it derives the
+M-RoPE positions itself. In float32 this yields the same tokens as `generate(pixel_values=...)`.
+One generation runs at a time, on one worker thread: the model and its cached rope deltas are
+not re-entrant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedTokenizerBase,
+    Qwen2VLForConditionalGeneration,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+
+from llm_service.engines.base import Engine, EngineRequest, FinishReason, GenerationDelta, SamplingParams
+
+_DONE = object()  # end-of-stream marker on the queue
+Emit = Callable[[object], None]
+
+
+class IncrementalDetokenizer:
+    """Turns tokens into text pieces that never change once emitted.
+
+    Held back: an incomplete UTF-8 tail (decoded as U+FFFD) and the last len(longest stop)-1
+    characters, which could still become the start of a stop string.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str], eos_ids: set[int]) -> None:
+        self._tokenizer = tokenizer
+        self._stop = stop
+        self._eos_ids = eos_ids
+        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._ids: list[int] = []
+        self._emitted = 0
+        self.stop_hit = False
+
+    def push(self, token_id: int) -> str:
+        if self.stop_hit or token_id in self._eos_ids:
+            return ""
+        self._ids.append(token_id)
+        text = self._decode()
+        cut = self._find_stop(text)
+        if cut is not None:
+            self.stop_hit = True
+            return self._take(text[:cut])
+        stable = text.rstrip("\ufffd")
+        return self._take(stable[: len(stable) - self._holdback])
+
+    def flush(self) -> str:
+        return "" if self.stop_hit else self._take(self._decode())
+
+    def _decode(self) -> str:
+        # Cleanup would rewrite earlier text (" ." -> "."), breaking the emitted prefix.
+        return self._tokenizer.decode(self._ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _find_stop(self, text: str) -> int | None:
+        hits = [i for i in (text.find(s, max(0, self._emitted - len(s))) for s in self._stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _take(self, text: str) -> str:
+        piece = text[self._emitted :]
+        self._emitted = max(self._emitted, len(text))
+        return piece
+
+
+class _TokenObserver(StoppingCriteria):
+    """Sees each new token, emits its delta, and halts generation on a stop string or cancel.
+
+    A stopping criterion rather than a streamer: in transformers 5.19 `streamer.put` runs after
+    the stopping criteria, too late to halt on the token that completes a stop string.
+    """
+
+    def __init__(
+        self, detok: IncrementalDetokenizer, request: EngineRequest, eos_ids: set[int], emit: Emit,
+        cancel: threading.Event,
+    ) -> None:  # fmt: skip
+        self.detok = detok
+        self.eos_ids = eos_ids
+        self.max_tokens = request.sampling.max_tokens
+        self.prompt_tokens = len(request.prompt_token_ids)
+        self.emit = emit
+        self.cancel = cancel
+        self.completion_tokens = 0
+        self.finished = False
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: object) -> torch.BoolTensor:
+        token = int(input_ids[0, -1])
+        self.completion_tokens += 1
+        text = self.detok.push(token)
+        reason = self._finish_reason(token)
+        if reason is not None:
+            text += self.detok.flush()
+            self.finished = True
+        self.emit(GenerationDelta(text, [token], reason, self.prompt_tokens, self.completion_tokens))
+        stop = self.detok.stop_hit or self.cancel.is_set()
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+    def _finish_reason(self, token: int) -> FinishReason | None:
+        if self.detok.stop_hit or token in self.eos_ids:
+            return "stop"
+        if self.completion_tokens >= self.max_tokens:
+            return "length"
+        return None
+
+
+class TransformersEngine(Engine):
+    def __init__(self, model: Qwen2VLForConditionalGeneration, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.hidden_size: int = model.config.text_config.hidden_size
+        self.image_token_id: int = model.config.image_token_id
+        self.merge_size: int = model.config.vision_config.spatial_merge_size
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.pad_token_id: int = _pad_id(model, tokenizer, self.eos_ids)
+        # One worker thread serialises generations without a lock that a cancelled consumer could leak.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers-engine")
+
+    @classmethod
+    def load(cls, checkpoint: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> TransformersEngine:
+        path = Path(checkpoint)
+        model = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device).eval()
+        return cls(model, AutoTokenizer.from_pretrained(path))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[GenerationDelta]:
+        self._validate(request)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        cancel = threading.Event()
+
+        def emit(item: object) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # event loop closed: nobody is listening any more
+                cancel.set()
+
+        loop.run_in_executor(self._executor, self._run, request, emit, cancel)
+        try:
+            while (item := await queue.get()) is not _DONE:
+                if isinstance(item, BaseException):
+                    raise item
+                assert isinstance(item, GenerationDelta)
+                yield item
+        finally:
+            cancel.set()  # consumer gone or stream done: stop the worker at its next token
+
+    def _run(self, request: EngineRequest, emit: Emit, cancel: threading.Event) -> None:
+        """Worker thread: one blocking generate, deltas pushed through emit."""
+        try:
+            if cancel.is_set():  # cancelled while queued behind another generation
+                return
+            detok = IncrementalDetokenizer(self.tokenizer, request.sampling.stop, self.eos_ids)
+            observer = _TokenObserver(detok, request, self.eos_ids, emit, cancel)
+            self._generate_blocking(request, observer)
+            if not observer.finished and not cancel.is_set():
+                raise RuntimeError(f"generation for {request.request_id} ended without a finish reason")
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            emit(exc)
+        finally:
+            emit(_DONE)
+
+    def _generate_blocking(self, request: EngineRequest, observer: _TokenObserver) -> None:
+        device = self.model.device
+        input_ids = torch.tensor([request.prompt_token_ids], dtype=torch.long, device=device)
+        with torch.inference_mode():
+            inputs_embeds = self.model.get_input_embeddings()(input_ids)
+            mm_kwargs: dict[str, torch.Tensor] = {}
+            if request.image_embeds:
+                is_image = input_ids == self.image_token_id
+                rows = torch.cat(request.image_embeds).to(device, inputs_embeds.dtype)
+                inputs_embeds = inputs_embeds.masked_scatter(is_image.unsqueeze(-1), rows)
+                # 0 = text, 1 = image, as the processor's int64 mm_token_type_ids; with the grid,
+                # the model derives the M-RoPE positions from it.
+                mm_kwargs = {
+                    "mm_token_type_ids": is_image.to(torch.int64),
+                    "image_grid_thw": request.image_grid_thw.to(device, torch.int64),
+                }
+            if request.sampling.seed is not None:
+                torch.manual_seed(request.sampling.seed)  # safe: only this thread generates
+            self.model.generate(
+                input_ids=input_ids,
+                inputs_embeds=inputs_embeds,
+                attention_mask=torch.ones_like(input_ids),
+                generation_config=self._generation_config(request.sampling),
+                stopping_criteria=StoppingCriteriaList([observer]),
+                **mm_kwargs,
+            )
+
+    def _generation_config(self, sampling: SamplingParams) -> GenerationConfig:
+        # Every knob set explicitly: unset ones would be filled from the checkpoint's
+        # generation_config.json (Qwen2-VL ships top_k=1, repetition_penalty=1.05).
+        return GenerationConfig(
+            max_new_tokens=sampling.max_tokens,
+            do_sample=not sampling.greedy,
+            temperature=1.0 if sampling.greedy else sampling.temperature,
+            top_p=1.0 if sampling.greedy else sampling.top_p,
+            top_k=None if sampling.greedy else 0,  # 0 disables top-k; None keeps greedy warning-free
+            repetition_penalty=1.0,
+            eos_token_id=sorted(self.eos_ids),
+            pad_token_id=self.pad_token_id,
+        )
+
+    def _validate(self, request: EngineRequest) -> None:
+        """Cheap shape checks, so a bad request fails here and not inside the worker."""
+        if not request.prompt_token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model.config.text_config.vocab_size
+        if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        grid = request.image_grid_thw
+        if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] != len(request.image_embeds):
+            raise ValueError(f"image_grid_thw must be [{len(request.image_embeds)}, 3], got {list(grid.shape)}")
+        for index, (embeds, thw) in enumerate(zip(request.image_embeds, grid)):
+            rows = int(thw.prod()) // self.merge_size**2
+            if embeds.ndim != 2 or embeds.shape != (rows, self.hidden_size):
+                expected = [rows, self.hidden_size]
+                raise ValueError(f"image {index}: embeddings {list(embeds.shape)}, expected {expected}")
+        pads = request.prompt_token_ids.count(self.image_token_id)
+        total = sum(e.shape[0] for e in request.image_embeds)
+        if pads != total:
+            raise ValueError(f"prompt has {pads} image pad tokens but the images have {total} rows")
+
+
+def _eos_ids(model: Qwen2VLForConditionalGeneration, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    configured = model.generation_config.eos_token_id
+    ids = set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if not ids:
+        raise ValueError("checkpoint defines no eos token")
+    return ids
+
+
+def _pad_id(model: Qwen2VLForConditionalGeneration, tokenizer: PreTrainedTokenizerBase, eos_ids: set[int]) -> int:
+    for candidate in (model.generation_config.pad_token_id, tokenizer.pad_token_id):
+        if candidate is not None:
+            return candidate
+    return min(eos_ids)

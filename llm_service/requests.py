@@ -1,0 +1,87 @@
+"""Domain types for one Generate call, converted from the proto at the boundary.
+
+Inner modules use these, never `*_pb2`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llm_service.engines.base import SamplingParams
+from shared.errors import InvalidInput
+from shared.pb.llm.v1 import llm_pb2
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """An image in a message: a stored key, or an inline safetensors blob."""
+
+    key: str | None = None
+    blob: bytes | None = None
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    parts: list[str | ImageInput]
+
+
+@dataclass(frozen=True)
+class SamplingLimits:
+    default_max_tokens: int
+    max_tokens_limit: int
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str
+    messages: list[Message]
+    sampling: SamplingParams
+    request_id: str
+
+    @property
+    def images(self) -> list[ImageInput]:
+        return [part for message in self.messages for part in message.parts if isinstance(part, ImageInput)]
+
+    @classmethod
+    def from_pb(cls, request: llm_pb2.GenerateRequest, limits: SamplingLimits) -> ChatRequest:
+        if not request.messages:
+            raise InvalidInput("messages must not be empty", param="messages")
+        messages = [_message_from_pb(m, i) for i, m in enumerate(request.messages)]
+        return cls(request.model, messages, _sampling_from_pb(request.sampling, limits), request.request_id)
+
+
+def _message_from_pb(message: llm_pb2.ChatMessage, index: int) -> Message:
+    if message.role not in ROLES:
+        raise InvalidInput(f"role must be one of {', '.join(ROLES)}", param=f"messages[{index}].role")
+    parts: list[str | ImageInput] = []
+    for j, part in enumerate(message.content):
+        which = part.WhichOneof("part")
+        if which == "text":
+            parts.append(part.text)
+        elif which == "image" and part.image.WhichOneof("source") == "key":
+            parts.append(ImageInput(key=part.image.key))
+        elif which == "image" and part.image.WhichOneof("source") == "embedding_blob":
+            parts.append(ImageInput(blob=part.image.embedding_blob))
+        else:
+            raise InvalidInput("content part must be text or an image key/blob", param=f"messages[{index}].content[{j}]")
+    return Message(message.role, parts)
+
+
+def _sampling_from_pb(sampling: llm_pb2.SamplingParams, limits: SamplingLimits) -> SamplingParams:
+    max_tokens = sampling.max_tokens or limits.default_max_tokens
+    if not 0 < max_tokens <= limits.max_tokens_limit:
+        raise InvalidInput(f"max_tokens must be in 1..{limits.max_tokens_limit}", param="max_tokens")
+    temperature = sampling.temperature if sampling.HasField("temperature") else 0.0
+    if not 0.0 <= temperature <= 2.0:
+        raise InvalidInput("temperature must be in [0, 2]", param="temperature")
+    top_p = sampling.top_p if sampling.HasField("top_p") else 1.0
+    if not 0.0 < top_p <= 1.0:
+        raise InvalidInput("top_p must be in (0, 1]", param="top_p")
+    stop = list(sampling.stop)
+    if len(stop) > 4 or any(not s for s in stop):
+        raise InvalidInput("stop takes at most 4 non-empty strings", param="stop")
+    seed = sampling.seed if sampling.HasField("seed") else None
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop)

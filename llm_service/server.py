@@ -1,0 +1,62 @@
+"""Builds and starts the LLM gRPC server from settings (used by __main__ and tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+from transformers import AutoConfig
+
+from llm_service.core import LLMCore
+from llm_service.engines.transformers_engine import TransformersEngine
+from llm_service.prompt import PromptBuilder
+from llm_service.requests import SamplingLimits
+from llm_service.servicer import LLMServicer
+from llm_service.settings import LLMSettings
+from shared.blob import BlobRules
+from shared.checkpoints import compute_encoder_id
+from shared.grpc_server import RunningServer, start_server
+from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc
+from shared.store import EmbeddingStore
+
+SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
+
+
+@dataclass
+class LLMServer:
+    running: RunningServer
+    core: LLMCore
+
+    @property
+    def port(self) -> int:
+        return self.running.port
+
+    async def stop(self, grace_s: float = 0) -> None:
+        await self.running.stop(grace_s)
+        await self.core.store.aclose()
+
+
+def build_core(settings: LLMSettings) -> LLMCore:
+    engine = TransformersEngine.load(settings.checkpoint, settings.device, getattr(torch, settings.dtype))
+    merge_size = AutoConfig.from_pretrained(settings.checkpoint).vision_config.spatial_merge_size
+    accepted = settings.accepted_encoder_ids or [compute_encoder_id(Path(settings.checkpoint))]
+    rules = BlobRules(merge_size, engine.hidden_size, frozenset(accepted))
+    store = EmbeddingStore(settings.store_config())
+    return LLMCore(settings.model_name, engine, PromptBuilder(engine.tokenizer), store, rules, settings.max_images_per_request)
+
+
+async def start_llm_server(settings: LLMSettings, core: LLMCore | None = None) -> LLMServer:
+    """Loads the model (unless `core` is given), starts serving, and reports SERVING."""
+    core = core or build_core(settings)
+    limits = SamplingLimits(settings.default_max_tokens, settings.max_tokens_limit)
+
+    def register(server: grpc.aio.Server) -> None:
+        llm_pb2_grpc.add_LLMServiceServicer_to_server(LLMServicer(core, limits, settings.engine), server)
+
+    running = await start_server(
+        register, [SERVICE_NAME], f"{settings.host}:{settings.port}", settings.grpc_max_message_bytes
+    )
+    await running.set_serving(True)
+    return LLMServer(running, core)

@@ -1,0 +1,28 @@
+"""LLM service settings; every field reads from LLM_<NAME>."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from shared.settings import GrpcServerSettings, StoreSettings
+
+
+class LLMSettings(StoreSettings, GrpcServerSettings):
+    model_config = SettingsConfigDict(env_prefix="LLM_", extra="ignore")
+
+    checkpoint: str = Field(..., description="Qwen2-VL checkpoint dir (or hub id) of this fine-tune.")
+    model_name: str = Field(..., description="Name clients use in `model`.")
+    port: int = Field(50061, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
+    engine: Literal["transformers"] = Field("transformers", description="Decoding engine.")
+    device: str = Field("cpu", description="torch device (cpu, cuda, cuda:1).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Language model dtype.")
+    accepted_encoder_ids: list[str] = Field(
+        default_factory=list,
+        description="Encoder ids whose blobs this model accepts (JSON list); empty = the id of this checkpoint's own vision tower.",
+    )
+    default_max_tokens: int = Field(256, gt=0, description="max_tokens when a request sets none.")
+    max_tokens_limit: int = Field(4096, gt=0, description="Highest max_tokens a request may ask for.")
+    max_images_per_request: int = Field(16, gt=0, description="Most images in one request.")

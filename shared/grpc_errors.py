@@ -1,0 +1,119 @@
+"""The one place where domain errors become gRPC statuses, and statuses become errors again.
+
+Servers install `ErrorMappingInterceptor`; clients call `error_from_rpc`. The
+error's `code`, `param` and missing keys travel in trailing metadata so the
+gateway can rebuild the exact error class (and re-encode on a missing key).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from shared.errors import EmbeddingNotFound, Internal, ServiceError, Unavailable, error_class_for
+
+logger = logging.getLogger(__name__)
+
+CODE_KEY = "error-code"
+PARAM_KEY = "error-param"
+MISSING_KEYS_KEY = "missing-keys"
+
+
+def trailing_metadata_for(error: ServiceError) -> tuple[tuple[str, str], ...]:
+    metadata = [(CODE_KEY, error.code)]
+    if error.param:
+        metadata.append((PARAM_KEY, error.param))
+    if isinstance(error, EmbeddingNotFound):
+        metadata.append((MISSING_KEYS_KEY, ",".join(error.keys)))
+    return tuple(metadata)
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: ServiceError) -> None:
+    context.set_trailing_metadata(trailing_metadata_for(error))
+    await context.abort(error.kind.grpc_code, error.message)
+
+
+def _is_abort(error: Exception) -> bool:
+    # context.abort() raises AbortError after setting the status; let it through.
+    return isinstance(error, grpc.aio.AbortError)
+
+
+def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await behavior(request, context)
+        except ServiceError as error:
+            await _abort(context, error)
+        except Exception as error:
+            if _is_abort(error):
+                raise
+            logger.exception("unhandled error in unary RPC")
+            await _abort(context, Internal("internal error; see the service log"))
+
+    return wrapper
+
+
+def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for item in behavior(request, context):
+                yield item
+        except ServiceError as error:
+            await _abort(context, error)
+        except Exception as error:
+            if _is_abort(error):
+                raise
+            logger.exception("unhandled error in streaming RPC")
+            await _abort(context, Internal("internal error; see the service log"))
+
+    return wrapper
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Turns ServiceError into its status code; anything else into INTERNAL (logged)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        serializers = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary), **serializers)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream), **serializers)
+        return handler
+
+
+def _metadata_value(metadata: Any, key: str) -> str | None:
+    for item_key, value in metadata or ():
+        if item_key == key:
+            return value if isinstance(value, str) else value.decode()
+    return None
+
+
+def error_from_rpc(error: grpc.RpcError, target: str = "backend") -> ServiceError:
+    """Rebuilds the domain error a server raised (or a transport failure) from an RpcError."""
+    status = error.code()
+    details = error.details() or status.name
+    metadata = error.trailing_metadata() if hasattr(error, "trailing_metadata") else ()
+    code = _metadata_value(metadata, CODE_KEY)
+    param = _metadata_value(metadata, PARAM_KEY)
+    if code is None and status == grpc.StatusCode.UNAVAILABLE:
+        return Unavailable(f"{target} is unavailable: {details}")
+    cls = error_class_for(status, code)
+    if cls is EmbeddingNotFound:
+        keys = (_metadata_value(metadata, MISSING_KEYS_KEY) or "").split(",")
+        return EmbeddingNotFound(details, keys=[k for k in keys if k], param=param)
+    if cls is Internal and code is None:
+        return Internal(f"{target} failed: {status.name}: {details}")
+    return cls(details, param=param)

@@ -1,0 +1,76 @@
+"""Graceful gRPC serving: health, reflection, the error interceptor, and SIGTERM drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from shared.grpc_errors import ErrorMappingInterceptor
+
+logger = logging.getLogger(__name__)
+
+
+def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    port: int
+    service_names: tuple[str, ...]
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float) -> None:
+        """Readiness goes NOT_SERVING first, then in-flight RPCs get `grace_s` to finish."""
+        await self.set_serving(False)
+        await self.server.stop(grace_s)
+
+
+async def start_server(
+    register: Callable[[grpc.aio.Server], None],
+    service_names: Iterable[str],
+    address: str,
+    max_message_bytes: int,
+) -> RunningServer:
+    """Starts a server with the given servicers; health stays NOT_SERVING until `set_serving(True)`."""
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=grpc_options(max_message_bytes))
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = tuple(service_names)
+    reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"could not bind gRPC server to {address}")
+    await server.start()
+    running = RunningServer(server, health_servicer, port, names)
+    await running.set_serving(False)
+    return running
+
+
+async def serve_until_signal(running: RunningServer, grace_s: float) -> None:
+    """Blocks until SIGTERM/SIGINT, then drains and stops."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    logger.info("serving on port %d", running.port)
+    await stop.wait()
+    logger.info("stopping: draining for up to %.1fs", grace_s)
+    await running.stop(grace_s)

@@ -1,0 +1,20 @@
+"""Python gRPC SDK for the encoder and LLM services (sync and async)."""
+
+from shared.sdk.encoder_client import AsyncEncoderClient, EncoderClient
+from shared.sdk.llm_client import AsyncLLMClient, LLMClient
+from shared.sdk.types import EncodedImage, EncoderStats, GenerationChunk, ImageKey, InlineEmbedding, Message, ModelInfo, Sampling
+
+__all__ = [
+    "AsyncEncoderClient",
+    "AsyncLLMClient",
+    "EncodedImage",
+    "EncoderClient",
+    "EncoderStats",
+    "GenerationChunk",
+    "ImageKey",
+    "InlineEmbedding",
+    "LLMClient",
+    "Message",
+    "ModelInfo",
+    "Sampling",
+]

@@ -1,0 +1,92 @@
+"""Clients for llm.v1 (async and sync). Errors arrive as `shared.errors.ServiceError`."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+
+from shared.grpc_errors import error_from_rpc
+from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc
+from shared.sdk.types import GenerationChunk, Message, ModelInfo, Sampling, channel_options, generate_request
+from shared.settings import DEFAULT_GRPC_MAX_MESSAGE_BYTES
+
+
+class AsyncLLMClient:
+    """`async for chunk in llm.generate("model", [Message("user", ["hi"])]): ...`."""
+
+    def __init__(self, target: str, timeout_s: float = 300.0, max_message_bytes: int = DEFAULT_GRPC_MAX_MESSAGE_BYTES) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes))
+        self._stub = llm_pb2_grpc.LLMServiceStub(self._channel)
+
+    async def generate(
+        self, model: str, messages: list[Message], sampling: Sampling | None = None, request_id: str | None = None
+    ) -> AsyncIterator[GenerationChunk]:
+        """Streams chunks; leaving the loop early cancels the generation on the server."""
+        request = generate_request(model, messages, sampling or Sampling(), request_id or uuid.uuid4().hex)
+        call = self._stub.Generate(request, timeout=self.timeout_s)
+        try:
+            async for chunk in call:
+                yield GenerationChunk.from_pb(chunk)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, f"LLM service at {self.target}") from None
+        finally:
+            call.cancel()
+
+    async def list_models(self) -> list[ModelInfo]:
+        try:
+            reply = await self._stub.ListModels(llm_pb2.ListModelsRequest(), timeout=self.timeout_s)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, f"LLM service at {self.target}") from None
+        return [ModelInfo.from_pb(m) for m in reply.models]
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncLLMClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class LLMClient:
+    """Blocking twin of AsyncLLMClient."""
+
+    def __init__(self, target: str, timeout_s: float = 300.0, max_message_bytes: int = DEFAULT_GRPC_MAX_MESSAGE_BYTES) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(target, options=channel_options(max_message_bytes))
+        self._stub = llm_pb2_grpc.LLMServiceStub(self._channel)
+
+    def generate(
+        self, model: str, messages: list[Message], sampling: Sampling | None = None, request_id: str | None = None
+    ) -> Iterator[GenerationChunk]:
+        request = generate_request(model, messages, sampling or Sampling(), request_id or uuid.uuid4().hex)
+        call = self._stub.Generate(request, timeout=self.timeout_s)
+        try:
+            for chunk in call:
+                yield GenerationChunk.from_pb(chunk)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, f"LLM service at {self.target}") from None
+        finally:
+            call.cancel()
+
+    def list_models(self) -> list[ModelInfo]:
+        try:
+            reply = self._stub.ListModels(llm_pb2.ListModelsRequest(), timeout=self.timeout_s)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, f"LLM service at {self.target}") from None
+        return [ModelInfo.from_pb(m) for m in reply.models]
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> LLMClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,162 @@
+"""Typed inputs and results of the SDK; each converts itself to or from its proto."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from shared.pb.encoder.v1 import encoder_pb2
+from shared.pb.llm.v1 import llm_pb2
+
+_FINISH_NAMES = {llm_pb2.FINISH_REASON_STOP: "stop", llm_pb2.FINISH_REASON_LENGTH: "length"}
+# Idempotent RPCs are retried by gRPC itself on UNAVAILABLE; Generate never is
+# (a retried stream could repeat tokens the caller already saw).
+RETRY_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [
+                    {"service": "encoder.v1.EncoderService"},
+                    {"service": "llm.v1.LLMService", "method": "ListModels"},
+                ],
+                "retryPolicy": {
+                    "maxAttempts": 3,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "1s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, object]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.enable_retries", 1),
+        ("grpc.service_config", RETRY_SERVICE_CONFIG),
+    ]
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    key: str
+    grid_thw: list[int]  # [t, h, w]
+    num_tokens: int
+    cache_hit: bool
+    encoder_id: str
+
+    @classmethod
+    def from_pb(cls, reply: encoder_pb2.EncodeReply) -> EncodedImage:
+        return cls(reply.key, list(reply.grid_thw), reply.num_tokens, reply.cache_hit, reply.encoder_id)
+
+
+@dataclass(frozen=True)
+class EncoderStats:
+    encoder_id: str
+    images_encoded: int
+    cache_hits: int
+    coalesced: int
+    forward_passes: int
+
+    @classmethod
+    def from_pb(cls, reply: encoder_pb2.EncoderStats) -> EncoderStats:
+        return cls(reply.encoder_id, reply.images_encoded, reply.cache_hits, reply.coalesced, reply.forward_passes)
+
+
+def encode_request(
+    image_bytes: bytes | None, image_url: str | None, min_pixels: int, max_pixels: int
+) -> encoder_pb2.EncodeRequest:
+    if (image_bytes is None) == (image_url is None):
+        raise ValueError("pass exactly one of image_bytes or image_url")
+    request = encoder_pb2.EncodeRequest(min_pixels=min_pixels, max_pixels=max_pixels)
+    if image_bytes is not None:
+        request.image_bytes = image_bytes
+    else:
+        request.image_url = image_url
+    return request
+
+
+@dataclass(frozen=True)
+class ImageKey:
+    """An image stored by the encoder service."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class InlineEmbedding:
+    """An embedding blob (safetensors bytes) sent with the request."""
+
+    blob: bytes
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: list[str | ImageKey | InlineEmbedding]
+
+    def to_pb(self) -> llm_pb2.ChatMessage:
+        parts = []
+        for part in self.content:
+            if isinstance(part, str):
+                parts.append(llm_pb2.ContentPart(text=part))
+            elif isinstance(part, ImageKey):
+                parts.append(llm_pb2.ContentPart(image=llm_pb2.ImageRef(key=part.key)))
+            else:
+                parts.append(llm_pb2.ContentPart(image=llm_pb2.ImageRef(embedding_blob=part.blob)))
+        return llm_pb2.ChatMessage(role=self.role, content=parts)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int = 0  # 0 = the service's default
+    temperature: float | None = None  # None or 0 = greedy
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+    def to_pb(self) -> llm_pb2.SamplingParams:
+        params = llm_pb2.SamplingParams(max_tokens=self.max_tokens, stop=self.stop)
+        if self.temperature is not None:
+            params.temperature = self.temperature
+        if self.top_p is not None:
+            params.top_p = self.top_p
+        if self.seed is not None:
+            params.seed = self.seed
+        return params
+
+
+def generate_request(model: str, messages: list[Message], sampling: Sampling, request_id: str) -> llm_pb2.GenerateRequest:
+    return llm_pb2.GenerateRequest(
+        model=model, messages=[m.to_pb() for m in messages], sampling=sampling.to_pb(), request_id=request_id
+    )
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" on the last chunk
+    prompt_tokens: int
+    completion_tokens: int
+
+    @classmethod
+    def from_pb(cls, chunk: llm_pb2.GenerateChunk) -> GenerationChunk:
+        finish = _FINISH_NAMES.get(chunk.finish_reason)
+        return cls(chunk.text, list(chunk.token_ids), finish, chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    accepted_encoder_ids: list[str]
+    hidden_size: int
+    engine: str
+
+    @classmethod
+    def from_pb(cls, info: llm_pb2.ModelInfo) -> ModelInfo:
+        return cls(info.name, list(info.accepted_encoder_ids), info.hidden_size, info.engine)

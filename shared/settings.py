@@ -1,0 +1,37 @@
+"""Settings pieces shared by the services. Each service has one settings class
+(its own env prefix) built from these; nothing else reads the environment."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings
+
+from shared.store import StoreConfig
+
+# gRPC refuses messages over 4 MB unless both ends raise the limit; embedding
+# blobs of large images exceed that, so servers and clients share this default.
+DEFAULT_GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class StoreSettings(BaseSettings):
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis:// or rediss://, password in the URL).")
+    embedding_ttl_s: int = Field(24 * 3600, gt=0, description="TTL of every stored embedding, refreshed on each hit.")
+    redis_timeout_s: float = Field(1.0, gt=0, description="Budget for one Redis operation, retries included.")
+    redis_retries: int = Field(1, ge=0, description="Retries of a Redis operation on a connection error.")
+
+    def store_config(self) -> StoreConfig:
+        return StoreConfig(
+            url=self.redis_url,
+            ttl_s=self.embedding_ttl_s,
+            socket_timeout_s=self.redis_timeout_s / 2,
+            op_timeout_s=self.redis_timeout_s,
+            retries=self.redis_retries,
+        )
+
+
+class GrpcServerSettings(BaseSettings):
+    host: str = Field("0.0.0.0", description="Address the gRPC server binds.")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
+    grace_s: float = Field(10.0, ge=0, description="Seconds in-flight RPCs get to finish on SIGTERM.")
+    grpc_max_message_bytes: int = Field(DEFAULT_GRPC_MAX_MESSAGE_BYTES, gt=0, description="Largest gRPC message accepted or sent.")
+    log_level: str = Field("INFO", description="Python logging level.")

@@ -1,0 +1,88 @@
+"""Async Redis store for embedding blobs: TTL on every key, bounded timeouts and retries.
+
+A dead Redis must turn into a fast, clear `Unavailable` (503), and the store
+must work again as soon as Redis is back, without restarting the service:
+redis-py's pool reconnects on the next call, and we cap its retries so a
+failure is reported in about `op_timeout_s` instead of redis-py's ~4.6 s default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import redis.asyncio as aioredis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.asyncio.retry import Retry
+
+from shared.errors import TooLarge, Unavailable
+
+T = TypeVar("T")
+# Redis refuses values over 512 MB; we say so before sending them.
+REDIS_MAX_VALUE_BYTES = 512 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    url: str = "redis://127.0.0.1:6379/0"
+    ttl_s: int = 24 * 3600
+    socket_timeout_s: float = 0.5
+    op_timeout_s: float = 1.0
+    retries: int = 1
+    max_value_bytes: int = REDIS_MAX_VALUE_BYTES
+
+
+class EmbeddingStore:
+    """Blob bytes by key. Every method raises `Unavailable` when Redis cannot be reached."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        retry = Retry(ExponentialBackoff(cap=0.1, base=0.02), config.retries)
+        self._redis = aioredis.Redis.from_url(
+            config.url,
+            socket_timeout=config.socket_timeout_s,
+            socket_connect_timeout=config.socket_timeout_s,
+            retry=retry,
+            retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        )
+
+    async def _call(self, operation: Awaitable[T]) -> T:
+        try:
+            async with asyncio.timeout(self.config.op_timeout_s):
+                return await operation
+        except (RedisError, OSError, TimeoutError) as error:
+            raise Unavailable(f"embedding store (Redis) is unavailable: {type(error).__name__}") from error
+
+    async def get_many(self, keys: list[str]) -> list[bytes | None]:
+        """Blobs for several keys in one round trip (MGET); None where a key is missing."""
+        if not keys:
+            return []
+        return await self._call(self._redis.mget(keys))
+
+    async def get_and_touch(self, key: str) -> bytes | None:
+        """The blob under `key`, refreshing its TTL (GETEX), or None."""
+        return await self._call(self._redis.getex(key, ex=self.config.ttl_s))
+
+    async def put(self, key: str, data: bytes) -> None:
+        """Stores a blob with the configured TTL."""
+        if len(data) > self.config.max_value_bytes:
+            raise TooLarge(f"embedding blob of {len(data)} bytes exceeds the store's limit of {self.config.max_value_bytes}")
+        await self._call(self._redis.set(key, data, ex=self.config.ttl_s))
+
+    async def delete(self, key: str) -> None:
+        await self._call(self._redis.delete(key))
+
+    async def ping(self) -> bool:
+        """True when Redis answers now."""
+        try:
+            return bool(await self._call(self._redis.ping()))
+        except Unavailable:
+            return False
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()

@@ -1,0 +1,54 @@
+"""Session fixtures: tiny checkpoints, a real Redis, and the whole stack on free ports."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from tests.harness import BackgroundLoop, RedisServer, Stack, start_stack, stop_stack
+from tests.model_fixtures import build_test_checkpoints
+
+MODELS = ("ft-a", "ft-b")
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_test_checkpoints(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def background_loop() -> Iterator[BackgroundLoop]:
+    loop = BackgroundLoop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="session")
+def stack(checkpoints: dict[str, Path], redis_server: RedisServer, background_loop: BackgroundLoop) -> Iterator[Stack]:
+    running = background_loop.run(start_stack(checkpoints, redis_server, MODELS))
+    yield running
+    background_loop.run(stop_stack(running))
+
+
+@pytest.fixture
+def live_redis(redis_server: RedisServer) -> Iterator[RedisServer]:
+    """The session Redis, guaranteed running again after the test (tests may stop it)."""
+    yield redis_server
+    if redis_server.process is None:
+        redis_server.start()
+
+
+@pytest.fixture(scope="session")
+def openai_client(stack: Stack) -> OpenAI:
+    return OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)

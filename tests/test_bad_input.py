@@ -1,0 +1,195 @@
+"""Bad input gets a clear error naming what is wrong, and nothing else breaks."""
+
+from __future__ import annotations
+
+import resource
+import struct
+import time
+import zlib
+
+import httpx
+import pytest
+import torch
+from openai import OpenAI
+
+from shared.blob import BlobRules, EmbeddingBlob, encode_blob
+from shared.errors import EmbeddingNotFound, IncompatibleEncoder, InvalidEmbedding, ServiceError
+from shared.keys import embedding_key
+from shared.sdk import EncoderClient, ImageKey, InlineEmbedding, LLMClient, Message, Sampling
+from tests.harness import RedisServer, Stack
+from tests.images import data_url, png_bytes
+
+HIDDEN = 256  # the tiny checkpoints' LM hidden size
+
+
+def _chat(stack: Stack, body: object, raw: bytes | None = None) -> httpx.Response:
+    url = f"{stack.base_url}/v1/chat/completions"
+    if raw is not None:
+        return httpx.post(url, content=raw, headers={"content-type": "application/json"}, timeout=60)
+    return httpx.post(url, json=body, timeout=60)
+
+
+def _image_chat(model: str, part: dict) -> dict:
+    return {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": [part, {"type": "text", "text": "What?"}]}]}
+
+
+def _url_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _assert_error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+def test_malformed_json_is_400(stack: Stack) -> None:
+    _assert_error(_chat(stack, None, raw=b'{"model": "ft-a", "messages": ['), 400)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "ft-a"}, "messages"),
+        ({"model": "ft-a", "messages": []}, "messages"),
+        ({"model": "ft-a", "messages": [{"role": "user", "content": "hi"}], "temperature": 7}, "temperature"),
+        ({"model": "ft-a", "messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+        ({"model": "ft-a", "messages": [{"role": "user", "content": [{"type": "audio", "x": 1}]}]}, "messages[0].content"),
+        ({"model": "ft-a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ],
+)
+def test_bad_fields_are_400_naming_the_param(stack: Stack, body: dict, param: str) -> None:
+    error = _assert_error(_chat(stack, body), 400)
+    assert error["param"] is not None and error["param"].startswith(param)
+
+
+def test_unknown_model_is_404(stack: Stack, openai_client: OpenAI) -> None:
+    _assert_error(_chat(stack, {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}), 404, "model", "model_not_found")
+
+
+def _bomb_png(width: int = 60000, height: int = 60000) -> bytes:
+    """A PNG whose header claims billions of pixels, with almost no data."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 1024)) + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize(
+    ("image", "message"),
+    [
+        (b"this is not an image at all", "not a recognized image"),
+        (png_bytes(71)[:200], "truncated or corrupt"),
+        (_bomb_png(), "decompression bomb"),
+    ],
+)
+def test_bad_images_are_400_and_memory_stays_bounded(stack: Stack, image: bytes, message: str) -> None:
+    peak_before_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    error = _assert_error(_chat(stack, _image_chat("ft-a", _url_part(data_url(image)))), 400)
+    assert message in error["message"]
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before_kib < 200 * 1024
+
+
+def test_bad_data_url_is_400(stack: Stack) -> None:
+    _assert_error(_chat(stack, _image_chat("ft-a", _url_part("data:image/png;base64,@@@@"))), 400, "image_url")
+
+
+def test_unknown_key_is_404_at_gateway_and_llm_service(stack: Stack) -> None:
+    encoder_id = EncoderClient(stack.encoder_target).stats().encoder_id
+    key = embedding_key(encoder_id, b"never stored", 1, 2)
+    part = {"type": "image_embeds", "image_embeds": None, "uuid": key}
+    _assert_error(_chat(stack, _image_chat("ft-a", part)), 404, code="embedding_not_found")
+    with LLMClient(stack.llm_target("ft-a")) as llm, pytest.raises(EmbeddingNotFound) as caught:
+        list(llm.generate("ft-a", [Message("user", [ImageKey(key), "hi"])]))
+    assert caught.value.keys == [key]
+
+
+def test_gateway_re_encodes_once_when_a_key_vanishes_before_generate(stack: Stack, openai_client: OpenAI) -> None:
+    encoder = stack.gateway_app.state.backends.encoder
+    original_encode = encoder.encode
+    redis_client = stack.redis.client()
+
+    evicted: list[str] = []
+
+    async def encode_then_evict(**kwargs: object):  # simulates an eviction right after the first Encode
+        result = await original_encode(**kwargs)
+        if not evicted:
+            redis_client.delete(result.key)
+            evicted.append(result.key)
+        return result
+
+    stats = EncoderClient(stack.encoder_target)
+    before = stats.stats().images_encoded
+    encoder.encode = encode_then_evict
+    try:
+        reply = openai_client.chat.completions.create(**_image_chat("ft-a", _url_part(data_url(png_bytes(72)))))
+    finally:
+        encoder.encode = original_encode
+    assert reply.choices[0].message.content is not None
+    assert evicted and redis_client.exists(evicted[0])
+    assert stats.stats().images_encoded - before == 2  # encoded, evicted, encoded again by the one retry
+
+
+def test_bad_blobs_are_rejected_before_the_engine_and_service_keeps_answering(stack: Stack) -> None:
+    encoder_id = EncoderClient(stack.encoder_target).stats().encoder_id
+    grid = torch.tensor([[1, 4, 4]])
+    cases = [
+        (EmbeddingBlob(torch.randn(4, HIDDEN), grid, "qwen2vl-other"), IncompatibleEncoder, "qwen2vl-other"),
+        (EmbeddingBlob(torch.randn(4, 64), grid, encoder_id), InvalidEmbedding, "hidden size"),
+        (EmbeddingBlob(torch.randn(5, HIDDEN), grid, encoder_id), InvalidEmbedding, "implies 4"),
+    ]
+    with LLMClient(stack.llm_target("ft-b")) as llm:
+        for blob, error_class, message in cases:
+            with pytest.raises(error_class, match=message):
+                list(llm.generate("ft-b", [Message("user", [InlineEmbedding(_unchecked_blob(blob)), "hi"])]))
+        good = EmbeddingBlob(torch.randn(4, HIDDEN), grid, encoder_id)
+        rules = BlobRules(2, HIDDEN, frozenset({encoder_id}))
+        chunks = list(llm.generate("ft-b", [Message("user", [InlineEmbedding(encode_blob(good, rules)), "hi"])], Sampling(max_tokens=3)))
+    assert chunks[-1].finish_reason in ("stop", "length")
+
+
+def _unchecked_blob(blob: EmbeddingBlob) -> bytes:
+    """Serializes a blob that breaks the row/grid invariant (what a buggy client might send)."""
+    from safetensors.torch import save
+
+    metadata = {"schema": "1", "encoder_id": blob.encoder_id, "modality": "image", "dtype": "float32"}
+    return save({"image_embeds": blob.embeds, "image_grid_thw": blob.grid_thw}, metadata=metadata)
+
+
+def test_corrupt_stored_blob_is_a_client_error_via_gateway(stack: Stack) -> None:
+    encoder_id = EncoderClient(stack.encoder_target).stats().encoder_id
+    key = embedding_key(encoder_id, b"corrupt entry", 1, 2)
+    stack.redis.client().set(key, _unchecked_blob(EmbeddingBlob(torch.randn(3, HIDDEN), torch.tensor([[1, 4, 4]]), encoder_id)), ex=60)
+    part = {"type": "image_embeds", "image_embeds": None, "uuid": key}
+    _assert_error(_chat(stack, _image_chat("ft-a", part)), 400, code="invalid_embedding")
+
+
+def test_redis_down_is_503_fast_and_service_resumes_without_restart(stack: Stack, live_redis: RedisServer) -> None:
+    body = _image_chat("ft-a", _url_part(data_url(png_bytes(81))))
+    live_redis.stop()
+    started = time.monotonic()
+    response = _chat(stack, body)
+    elapsed = time.monotonic() - started
+    _assert_error(response, 503, code="unavailable")
+    assert response.headers["retry-after"] == "1"
+    assert elapsed < 2.5, f"503 took {elapsed:.2f}s"
+    live_redis.start()
+    response = _chat(stack, body)
+    assert response.status_code == 200, response.text
+
+
+def test_errors_never_echo_large_input(stack: Stack) -> None:
+    response = _chat(stack, {"model": "x" * 100_000, "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 404 and len(response.text) < 1000
+
+
+def test_sdk_raises_typed_errors(stack: Stack) -> None:
+    with EncoderClient(stack.encoder_target) as encoder, pytest.raises(ServiceError, match="not a recognized image"):
+        encoder.encode(image_bytes=b"nope")

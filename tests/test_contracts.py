@@ -1,0 +1,119 @@
+"""Unit tests of the contracts in shared/: blob codec and invariants, keys, error mapping, stubs."""
+
+from __future__ import annotations
+
+import filecmp
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from shared.blob import BlobRules, EmbeddingBlob, decode_blob, encode_blob
+from shared.errors import (
+    EmbeddingNotFound,
+    IncompatibleEncoder,
+    InvalidEmbedding,
+    InvalidInput,
+    ModelNotFound,
+    NotFound,
+    Unavailable,
+    error_class_for,
+)
+from shared.keys import embedding_key, encoder_id_of_key
+
+RULES = BlobRules(merge_size=2, hidden_size=8, accepted_encoder_ids=frozenset({"enc-a"}))
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _blob(rows: int = 6, hidden: int = 8, grid: list[list[int]] | None = None, encoder_id: str = "enc-a") -> EmbeddingBlob:
+    grid_tensor = torch.tensor(grid or [[1, 4, 6]], dtype=torch.int64)
+    return EmbeddingBlob(torch.randn(rows, hidden), grid_tensor, encoder_id)
+
+
+def test_blob_round_trip_keeps_tensors_and_metadata() -> None:
+    blob = _blob()
+    decoded = decode_blob(encode_blob(blob, RULES), RULES)
+    assert torch.equal(decoded.embeds, blob.embeds)
+    assert torch.equal(decoded.grid_thw, blob.grid_thw)
+    assert (decoded.encoder_id, decoded.modality, decoded.num_tokens) == ("enc-a", "image", 6)
+
+
+@pytest.mark.parametrize(
+    ("blob", "message"),
+    [
+        (EmbeddingBlob(torch.randn(1, 6, 8), torch.tensor([[1, 4, 6]]), "enc-a"), "2-D"),
+        (_blob(rows=5), "implies 6"),
+        (_blob(hidden=16), "hidden size is 16"),
+        (_blob(grid=[[1, 3, 3]], rows=2), "divisible"),
+        (_blob(grid=[[0, 4, 6]]), "positive"),
+        (EmbeddingBlob(torch.full((6, 8), float("nan")), torch.tensor([[1, 4, 6]]), "enc-a"), "NaN"),
+        (EmbeddingBlob(torch.randn(6, 8), torch.tensor([[1, 4, 6]], dtype=torch.int32), "enc-a"), "int64"),
+    ],
+)
+def test_invariants_reject_bad_blobs_on_write(blob: EmbeddingBlob, message: str) -> None:
+    with pytest.raises(InvalidEmbedding, match=message):
+        encode_blob(blob, RULES)
+
+
+def test_blob_from_another_encoder_is_incompatible() -> None:
+    data = encode_blob(_blob(encoder_id="enc-b"), BlobRules(2, 8, frozenset({"enc-b"})))
+    with pytest.raises(IncompatibleEncoder, match="enc-b"):
+        decode_blob(data, RULES)
+
+
+def test_invariants_are_checked_on_read_too() -> None:
+    lenient = BlobRules(2, 16, frozenset({"enc-a"}))
+    data = encode_blob(_blob(hidden=16), lenient)
+    with pytest.raises(InvalidEmbedding, match="hidden size"):
+        decode_blob(data, RULES)
+
+
+@pytest.mark.parametrize("data", [b"", b"short", b"\xff" * 64, pickle.dumps({"image_embeds": [1, 2]})])
+def test_garbage_and_pickle_are_refused_without_unpickling(data: bytes) -> None:
+    with pytest.raises(InvalidEmbedding, match="safetensors"):
+        decode_blob(data, RULES)
+
+
+def test_keys_depend_on_bytes_and_pixel_options() -> None:
+    base = embedding_key("enc-a", b"image", 100, 200)
+    assert base == embedding_key("enc-a", b"image", 100, 200)
+    assert len({base, embedding_key("enc-a", b"image2", 100, 200), embedding_key("enc-a", b"image", 100, 300),
+                embedding_key("enc-b", b"image", 100, 200)}) == 4
+    assert base.startswith("emb:v1:enc-a:")
+    assert encoder_id_of_key(base) == "enc-a"
+
+
+@pytest.mark.parametrize("key", ["", "emb:v1:enc-a", "emb:v2:enc-a:" + "0" * 64, "x" * 5000])
+def test_malformed_keys_are_invalid_input_and_not_echoed_in_full(key: str) -> None:
+    with pytest.raises(InvalidInput) as caught:
+        encoder_id_of_key(key)
+    assert len(caught.value.message) < 300
+
+
+def test_status_codes_map_back_to_the_raised_class() -> None:
+    assert error_class_for(grpc.StatusCode.NOT_FOUND, "model_not_found") is ModelNotFound
+    assert error_class_for(grpc.StatusCode.NOT_FOUND, "embedding_not_found") is EmbeddingNotFound
+    assert error_class_for(grpc.StatusCode.NOT_FOUND, None) is NotFound
+    assert error_class_for(grpc.StatusCode.INVALID_ARGUMENT, "invalid_embedding") is InvalidEmbedding
+    assert error_class_for(grpc.StatusCode.UNAVAILABLE, None) is Unavailable
+    assert (ModelNotFound.kind.http_status, IncompatibleEncoder.kind.http_status, Unavailable.kind.http_status) == (404, 409, 503)
+
+
+def test_generated_stubs_are_up_to_date(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, str(REPO / "scripts" / "gen_protos.py"), "--out", str(tmp_path)], check=True)
+    comparison = filecmp.dircmp(tmp_path, REPO / "shared" / "pb")
+    stale: list[str] = []
+
+    def walk(cmp: filecmp.dircmp, prefix: str) -> None:
+        _, mismatch, errors = filecmp.cmpfiles(cmp.left, cmp.right, cmp.common_files, shallow=False)
+        stale.extend(prefix + name for name in mismatch + errors + cmp.left_only)
+        for name, sub in cmp.subdirs.items():
+            walk(sub, f"{prefix}{name}/")
+
+    walk(comparison, "")
+    stale = [name for name in stale if "__pycache__" not in name]
+    assert not stale, f"stubs are stale, run `python scripts/gen_protos.py`: {stale}"
