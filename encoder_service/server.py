@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-
 import grpc
 import torch
 
@@ -15,6 +13,7 @@ from encoder_service.servicer import EncoderServicer
 from encoder_service.settings import EncoderSettings
 from encoder_service.vision import VisionEncoder
 from shared.checkpoints import compute_encoder_id
+from shared.model_paths import resolve_checkpoint
 from shared.grpc_server import RunningServer, start_server
 from shared.pb.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from shared.store import EmbeddingStore
@@ -38,8 +37,9 @@ class EncoderServer:
 
 
 def build_core(settings: EncoderSettings) -> EncoderCore:
-    vision = VisionEncoder.load(settings.checkpoint, settings.device, getattr(torch, settings.dtype))
-    encoder_id = settings.encoder_id or compute_encoder_id(Path(settings.checkpoint))
+    checkpoint = resolve_checkpoint(settings.checkpoint)
+    vision = VisionEncoder.load(str(checkpoint), settings.device, getattr(torch, settings.dtype))
+    encoder_id = settings.encoder_id or compute_encoder_id(checkpoint)
     batcher = MicroBatcher(vision.encode_batch, settings.max_batch_size, settings.batch_wait_ms / 1000)
     limits = EncoderLimits(
         max_image_bytes=settings.max_image_bytes,

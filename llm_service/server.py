@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-
 import grpc
 import torch
 from transformers import AutoConfig
@@ -17,6 +15,7 @@ from llm_service.servicer import LLMServicer
 from llm_service.settings import LLMSettings
 from shared.blob import BlobRules
 from shared.checkpoints import compute_encoder_id
+from shared.model_paths import resolve_checkpoint
 from shared.grpc_server import RunningServer, start_server
 from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc
 from shared.store import EmbeddingStore
@@ -39,9 +38,10 @@ class LLMServer:
 
 
 def build_core(settings: LLMSettings) -> LLMCore:
-    engine = TransformersEngine.load(settings.checkpoint, settings.device, getattr(torch, settings.dtype))
-    merge_size = AutoConfig.from_pretrained(settings.checkpoint).vision_config.spatial_merge_size
-    accepted = settings.accepted_encoder_ids or [compute_encoder_id(Path(settings.checkpoint))]
+    checkpoint = resolve_checkpoint(settings.checkpoint)
+    engine = TransformersEngine.load(str(checkpoint), settings.device, getattr(torch, settings.dtype))
+    merge_size = AutoConfig.from_pretrained(checkpoint).vision_config.spatial_merge_size
+    accepted = settings.accepted_encoder_ids or [compute_encoder_id(checkpoint)]
     rules = BlobRules(merge_size, engine.hidden_size, frozenset(accepted))
     store = EmbeddingStore(settings.store_config())
     return LLMCore(settings.model_name, engine, PromptBuilder(engine.tokenizer), store, rules, settings.max_images_per_request)

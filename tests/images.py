@@ -5,15 +5,15 @@ from __future__ import annotations
 import base64
 import io
 
-import numpy as np
 from PIL import Image
+
+from tests.model_fixtures import make_image
 
 
 def png_bytes(seed: int, size: tuple[int, int] = (84, 112)) -> bytes:
     """A random-noise RGB PNG; different seeds give different embeddings."""
-    pixels = np.random.default_rng(seed).integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8)
     buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
+    make_image(seed, *size).save(buffer, format="PNG")
     return buffer.getvalue()
 
 
