@@ -128,3 +128,13 @@ def test_models_health_and_request_id(stack: Stack, openai_client: OpenAI) -> No
     health = httpx.get(f"{stack.base_url}/health")
     assert health.status_code == 200 and all(health.json()["backends"].values())
     assert httpx.get(f"{stack.base_url}/v1/models", headers={"x-request-id": "abc"}).headers["x-request-id"] == "abc"
+
+
+def test_stop_string_cuts_the_answer_before_it(stack: Stack, openai_client: OpenAI) -> None:
+    url = data_url(png_bytes(seed=11))
+    full, _, _ = _ask(openai_client, "ft-a", url, QUESTIONS[0])
+    stop = full[3:6]
+    assert len(stop) == 3 and full.index(stop) >= 1, f"pick another cut for {full!r}"
+    cut, _, finish = _ask(openai_client, "ft-a", url, QUESTIONS[0], stop=[stop])
+    assert cut == full[: full.index(stop)]
+    assert finish == "stop"
