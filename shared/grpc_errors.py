@@ -8,7 +8,8 @@ gateway can rebuild the exact error class (and re-encode on a missing key).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -117,3 +118,12 @@ def error_from_rpc(error: grpc.RpcError, target: str = "backend") -> ServiceErro
     if cls is Internal and code is None:
         return Internal(f"{target} failed: {status.name}: {details}")
     return cls(details, param=param)
+
+
+@contextmanager
+def raising_service_errors(target: str) -> Iterator[None]:
+    """Client side: `with raising_service_errors("encoder at host:port"): ...` turns RpcError into ServiceError."""
+    try:
+        yield
+    except grpc.RpcError as error:
+        raise error_from_rpc(error, target) from None

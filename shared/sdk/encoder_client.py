@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from shared.grpc_errors import error_from_rpc
+from shared.grpc_errors import raising_service_errors
 from shared.pb.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from shared.sdk.types import EncodedImage, EncoderStats, channel_options, encode_request
 from shared.settings import DEFAULT_GRPC_MAX_MESSAGE_BYTES
@@ -16,31 +16,27 @@ class AsyncEncoderClient:
     def __init__(self, target: str, timeout_s: float = 60.0, max_message_bytes: int = DEFAULT_GRPC_MAX_MESSAGE_BYTES) -> None:
         self.target = target
         self.timeout_s = timeout_s
+        self._errors = f"encoder at {target}"
         self._channel = grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes))
         self._stub = encoder_pb2_grpc.EncoderServiceStub(self._channel)
 
     async def encode(
         self, *, image_bytes: bytes | None = None, image_url: str | None = None, min_pixels: int = 0, max_pixels: int = 0
     ) -> EncodedImage:
+        """Stores the image's embeddings (once) and returns their key, grid and token count."""
         request = encode_request(image_bytes, image_url, min_pixels, max_pixels)
-        try:
+        with raising_service_errors(self._errors):
             return EncodedImage.from_pb(await self._stub.Encode(request, timeout=self.timeout_s))
-        except grpc.RpcError as error:
-            raise error_from_rpc(error, f"encoder at {self.target}") from None
 
     async def get_embedding(self, key: str) -> bytes:
         """The stored safetensors blob for `key`."""
-        try:
+        with raising_service_errors(self._errors):
             reply = await self._stub.GetEmbedding(encoder_pb2.GetEmbeddingRequest(key=key), timeout=self.timeout_s)
-        except grpc.RpcError as error:
-            raise error_from_rpc(error, f"encoder at {self.target}") from None
         return reply.blob
 
     async def stats(self) -> EncoderStats:
-        try:
+        with raising_service_errors(self._errors):
             return EncoderStats.from_pb(await self._stub.GetStats(encoder_pb2.GetStatsRequest(), timeout=self.timeout_s))
-        except grpc.RpcError as error:
-            raise error_from_rpc(error, f"encoder at {self.target}") from None
 
     async def close(self) -> None:
         await self._channel.close()
@@ -58,6 +54,7 @@ class EncoderClient:
     def __init__(self, target: str, timeout_s: float = 60.0, max_message_bytes: int = DEFAULT_GRPC_MAX_MESSAGE_BYTES) -> None:
         self.target = target
         self.timeout_s = timeout_s
+        self._errors = f"encoder at {target}"
         self._channel = grpc.insecure_channel(target, options=channel_options(max_message_bytes))
         self._stub = encoder_pb2_grpc.EncoderServiceStub(self._channel)
 
@@ -65,22 +62,16 @@ class EncoderClient:
         self, *, image_bytes: bytes | None = None, image_url: str | None = None, min_pixels: int = 0, max_pixels: int = 0
     ) -> EncodedImage:
         request = encode_request(image_bytes, image_url, min_pixels, max_pixels)
-        try:
+        with raising_service_errors(self._errors):
             return EncodedImage.from_pb(self._stub.Encode(request, timeout=self.timeout_s))
-        except grpc.RpcError as error:
-            raise error_from_rpc(error, f"encoder at {self.target}") from None
 
     def get_embedding(self, key: str) -> bytes:
-        try:
+        with raising_service_errors(self._errors):
             return self._stub.GetEmbedding(encoder_pb2.GetEmbeddingRequest(key=key), timeout=self.timeout_s).blob
-        except grpc.RpcError as error:
-            raise error_from_rpc(error, f"encoder at {self.target}") from None
 
     def stats(self) -> EncoderStats:
-        try:
+        with raising_service_errors(self._errors):
             return EncoderStats.from_pb(self._stub.GetStats(encoder_pb2.GetStatsRequest(), timeout=self.timeout_s))
-        except grpc.RpcError as error:
-            raise error_from_rpc(error, f"encoder at {self.target}") from None
 
     def close(self) -> None:
         self._channel.close()

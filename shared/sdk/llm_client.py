@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
-from shared.grpc_errors import error_from_rpc
+from shared.grpc_errors import raising_service_errors
 from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc
 from shared.sdk.types import GenerationChunk, Message, ModelInfo, Sampling, channel_options, generate_request
 from shared.settings import DEFAULT_GRPC_MAX_MESSAGE_BYTES
@@ -19,6 +19,7 @@ class AsyncLLMClient:
     def __init__(self, target: str, timeout_s: float = 300.0, max_message_bytes: int = DEFAULT_GRPC_MAX_MESSAGE_BYTES) -> None:
         self.target = target
         self.timeout_s = timeout_s
+        self._errors = f"LLM service at {target}"
         self._channel = grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes))
         self._stub = llm_pb2_grpc.LLMServiceStub(self._channel)
 
@@ -29,18 +30,15 @@ class AsyncLLMClient:
         request = generate_request(model, messages, sampling or Sampling(), request_id or uuid.uuid4().hex)
         call = self._stub.Generate(request, timeout=self.timeout_s)
         try:
-            async for chunk in call:
-                yield GenerationChunk.from_pb(chunk)
-        except grpc.RpcError as error:
-            raise error_from_rpc(error, f"LLM service at {self.target}") from None
+            with raising_service_errors(self._errors):
+                async for chunk in call:
+                    yield GenerationChunk.from_pb(chunk)
         finally:
             call.cancel()
 
     async def list_models(self) -> list[ModelInfo]:
-        try:
+        with raising_service_errors(self._errors):
             reply = await self._stub.ListModels(llm_pb2.ListModelsRequest(), timeout=self.timeout_s)
-        except grpc.RpcError as error:
-            raise error_from_rpc(error, f"LLM service at {self.target}") from None
         return [ModelInfo.from_pb(m) for m in reply.models]
 
     async def close(self) -> None:
@@ -59,6 +57,7 @@ class LLMClient:
     def __init__(self, target: str, timeout_s: float = 300.0, max_message_bytes: int = DEFAULT_GRPC_MAX_MESSAGE_BYTES) -> None:
         self.target = target
         self.timeout_s = timeout_s
+        self._errors = f"LLM service at {target}"
         self._channel = grpc.insecure_channel(target, options=channel_options(max_message_bytes))
         self._stub = llm_pb2_grpc.LLMServiceStub(self._channel)
 
@@ -68,18 +67,15 @@ class LLMClient:
         request = generate_request(model, messages, sampling or Sampling(), request_id or uuid.uuid4().hex)
         call = self._stub.Generate(request, timeout=self.timeout_s)
         try:
-            for chunk in call:
-                yield GenerationChunk.from_pb(chunk)
-        except grpc.RpcError as error:
-            raise error_from_rpc(error, f"LLM service at {self.target}") from None
+            with raising_service_errors(self._errors):
+                for chunk in call:
+                    yield GenerationChunk.from_pb(chunk)
         finally:
             call.cancel()
 
     def list_models(self) -> list[ModelInfo]:
-        try:
+        with raising_service_errors(self._errors):
             reply = self._stub.ListModels(llm_pb2.ListModelsRequest(), timeout=self.timeout_s)
-        except grpc.RpcError as error:
-            raise error_from_rpc(error, f"LLM service at {self.target}") from None
         return [ModelInfo.from_pb(m) for m in reply.models]
 
     def close(self) -> None:
