@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llm_service.blob_cache import BlobCache
 from llm_service.engines.base import Engine, EngineRequest, GenerationDelta
 from llm_service.prompt import ChatTurn, ImageSlot, PromptBuilder
 from llm_service.requests import ChatRequest, ImageInput
@@ -29,6 +30,7 @@ class LLMCore:
     store: EmbeddingStore
     rules: BlobRules
     max_images: int
+    cache: BlobCache
 
     async def generate(self, request: ChatRequest) -> AsyncIterator[GenerationDelta]:
         """Streams the engine's deltas for a validated request."""
@@ -56,24 +58,36 @@ class LLMCore:
             raise InvalidInput(f"{len(images)} images in one request; the limit is {self.max_images}", param="messages")
         keys = list(dict.fromkeys(image.key for image in images if image.key is not None))
         for key in keys:
-            encoder_id = encoder_id_of_key(key, param="image.key")
-            if encoder_id not in self.rules.accepted_encoder_ids:
-                raise IncompatibleEncoder(
-                    f"key {clip(key)!r} was made by encoder {encoder_id!r}, which model {self.model_name!r} does not accept",
-                    param="image.key",
-                )
-        stored = dict(zip(keys, await self.store.get_many(keys), strict=True))
-        missing = [key for key, data in stored.items() if data is None]
+            self._check_encoder(key)
+        by_key = {key: blob for key in keys if (blob := self.cache.get(key)) is not None}
+        await self._fetch_into(by_key, [key for key in keys if key not in by_key])
+        inline = [image.blob for image in images if image.key is None]
+        decoded_inline = iter(await asyncio.to_thread(self._decode_many, inline, "inline image"))
+        return [by_key[image.key] if image.key is not None else next(decoded_inline) for image in images]
+
+    def _check_encoder(self, key: str) -> None:
+        encoder_id = encoder_id_of_key(key, param="image.key")
+        if encoder_id not in self.rules.accepted_encoder_ids:
+            raise IncompatibleEncoder(
+                f"key {clip(key)!r} was made by encoder {encoder_id!r}, which model {self.model_name!r} does not accept",
+                param="image.key",
+            )
+
+    async def _fetch_into(self, by_key: dict[str, EmbeddingBlob], keys: list[str]) -> None:
+        """Fetches `keys` in one round trip, validates them, and caches them."""
+        stored = await self.store.get_many(keys)
+        missing = [key for key, data in zip(keys, stored, strict=True) if data is None]
         if missing:
             raise EmbeddingNotFound(f"no embedding stored under {', '.join(missing)}", keys=missing, param="image.key")
-        return await asyncio.to_thread(self._decode_all, images, stored)
+        for key, blob in zip(keys, await asyncio.to_thread(self._decode_many, stored, "stored image"), strict=True):
+            self.cache.put(key, blob)
+            by_key[key] = blob
 
-    def _decode_all(self, images: list[ImageInput], stored: dict[str, bytes | None]) -> list[EmbeddingBlob]:
-        blobs = []
-        for index, image in enumerate(images):
-            data = stored[image.key] if image.key is not None else image.blob
-            blob = decode_blob(data or b"", self.rules, where=f"image {index}")
+    def _decode_many(self, blobs: list[bytes | None], where: str) -> list[EmbeddingBlob]:
+        decoded = []
+        for index, data in enumerate(blobs):
+            blob = decode_blob(data or b"", self.rules, where=f"{where} {index}")
             if blob.modality != "image" or blob.grid_thw.shape[0] != 1:
-                raise InvalidEmbedding(f"image {index} must hold exactly one image (grid_thw [1, 3])", param="image")
-            blobs.append(blob)
-        return blobs
+                raise InvalidEmbedding(f"{where} {index} must hold exactly one image (grid_thw [1, 3])", param="image")
+            decoded.append(blob)
+        return decoded

@@ -7,6 +7,7 @@ import grpc
 import torch
 from transformers import AutoConfig
 
+from llm_service.blob_cache import BlobCache
 from llm_service.core import LLMCore
 from llm_service.engines.transformers_engine import TransformersEngine
 from llm_service.prompt import PromptBuilder
@@ -44,7 +45,10 @@ def build_core(settings: LLMSettings) -> LLMCore:
     accepted = settings.accepted_encoder_ids or [compute_encoder_id(checkpoint)]
     rules = BlobRules(merge_size, engine.hidden_size, frozenset(accepted))
     store = EmbeddingStore(settings.store_config())
-    return LLMCore(settings.model_name, engine, PromptBuilder(engine.tokenizer), store, rules, settings.max_images_per_request)
+    cache = BlobCache(settings.blob_cache_bytes)
+    return LLMCore(
+        settings.model_name, engine, PromptBuilder(engine.tokenizer), store, rules, settings.max_images_per_request, cache
+    )
 
 
 async def start_llm_server(settings: LLMSettings, core: LLMCore | None = None) -> LLMServer:

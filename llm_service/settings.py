@@ -26,3 +26,6 @@ class LLMSettings(StoreSettings, GrpcServerSettings):
     default_max_tokens: int = Field(256, gt=0, description="max_tokens when a request sets none.")
     max_tokens_limit: int = Field(4096, gt=0, description="Highest max_tokens a request may ask for.")
     max_images_per_request: int = Field(16, gt=0, description="Most images in one request.")
+    blob_cache_bytes: int = Field(
+        512 * 1024 * 1024, ge=0, description="Budget of the in-memory LRU of decoded blobs (0 disables it)."
+    )

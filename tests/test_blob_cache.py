@@ -1,0 +1,47 @@
+"""The LLM service's pod cache: LRU by bytes, and one Redis round trip per image per pod."""
+
+from __future__ import annotations
+
+import torch
+
+from llm_service.blob_cache import BlobCache, blob_bytes
+from shared.blob import EmbeddingBlob
+from shared.sdk import EncoderClient, ImageKey, LLMClient, Message, Sampling
+from tests.harness import Stack
+from tests.images import png_bytes
+
+
+def _blob(rows: int) -> EmbeddingBlob:
+    return EmbeddingBlob(torch.zeros(rows, 4), torch.tensor([[1, 2, 2 * rows]]), "enc")
+
+
+def test_lru_evicts_least_recently_used_within_the_byte_budget() -> None:
+    size = blob_bytes(_blob(4))
+    cache = BlobCache(max_bytes=2 * size)
+    cache.put("a", _blob(4))
+    cache.put("b", _blob(4))
+    assert cache.get("a") is not None  # "b" is now least recently used
+    cache.put("c", _blob(4))
+    assert cache.get("b") is None and cache.get("a") is not None and cache.get("c") is not None
+    assert cache.size_bytes == 2 * size and len(cache) == 2
+
+
+def test_oversized_blobs_are_not_cached_and_zero_disables() -> None:
+    assert BlobCache(max_bytes=10).put("a", _blob(4)) is None
+    cache = BlobCache(max_bytes=0)
+    cache.put("a", _blob(1))
+    assert cache.get("a") is None and len(cache) == 0
+
+
+def _mget_calls(stack: Stack) -> int:
+    return int(stack.redis.client().info("commandstats").get("cmdstat_mget", {}).get("calls", 0))
+
+
+def test_many_questions_on_one_image_cost_one_redis_get_per_pod(stack: Stack) -> None:
+    with EncoderClient(stack.encoder_target) as encoder:
+        key = encoder.encode(image_bytes=png_bytes(201)).key
+    before = _mget_calls(stack)
+    with LLMClient(stack.llm_target("ft-a")) as llm:
+        for question in ("one?", "two?", "three?"):
+            list(llm.generate("ft-a", [Message("user", [ImageKey(key), question])], Sampling(max_tokens=2)))
+    assert _mget_calls(stack) - before == 1
