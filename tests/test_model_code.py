@@ -179,6 +179,8 @@ def test_engine_greedy_matches_reference_and_varies(engines, encoder: VisionEnco
 
 def test_engine_multi_image_and_text_only_match_full_model(engines, encoder: VisionEncoder, ckpts, images) -> None:
     engine = engines["ft-b"]
+    assert engine.model.model.visual is None, "the LLM service must not hold a vision tower"
+    full_model = Qwen2VLForConditionalGeneration.from_pretrained(ckpts["ft-b"]).eval()
     for pictures in (images, []):
         request = _request(engine, encoder, pictures, "Compare the two images.", max_tokens=MAX_NEW)
         ids = torch.tensor([request.prompt_token_ids])
@@ -191,7 +193,7 @@ def test_engine_multi_image_and_text_only_match_full_model(engines, encoder: Vis
                 mm_token_type_ids=(ids == engine.image_token_id).long(),
             )  # fmt: skip
         with torch.inference_mode():
-            out = engine.model.generate(
+            out = full_model.generate(
                 input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW, **extra
             )
         assert _tokens(_collect(engine, request)) == out[0, ids.shape[1] :].tolist()

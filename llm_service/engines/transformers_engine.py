@@ -131,8 +131,11 @@ class TransformersEngine(Engine):
     @classmethod
     def load(cls, checkpoint: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> TransformersEngine:
         path = Path(checkpoint)
-        model = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device).eval()
-        return cls(model, AutoTokenizer.from_pretrained(path))
+        model = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=dtype).eval()
+        # This service never sees pixels: drop the vision tower before moving to the device, so
+        # its weights never occupy device memory and are freed from host memory.
+        model.model.visual = None
+        return cls(model.to(device), AutoTokenizer.from_pretrained(path))
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
