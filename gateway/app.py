@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -10,26 +12,55 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from gateway.access import Admission, ApiKeys
 from gateway.backends import Backends
 from gateway.chat import generate, prepare
 from gateway.errors import error_response, install_error_handlers
-from gateway.openai_format import completion, event_stream
+from gateway.openai_format import IndexedChunks, completion, event_stream
 from gateway.schemas import ChatCompletionRequest, EncodeImageRequest, EncodeImageResponse
 from gateway.settings import GatewaySettings
-from shared.errors import TooLarge
-from shared.sdk import GenerationChunk
+from shared.errors import ServiceError, TooLarge
+
+logger = logging.getLogger(__name__)
+OPEN_PATHS = ("/health", "/docs", "/openapi.json")
 
 
-async def _primed(chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[GenerationChunk]:
+async def _primed(chunks: IndexedChunks) -> IndexedChunks:
     """Pulls the first chunk now, so errors before any output become HTTP errors, not stream events."""
     first = await anext(chunks)
 
-    async def replay() -> AsyncIterator[GenerationChunk]:
+    async def replay() -> IndexedChunks:
         yield first
         async for chunk in chunks:
             yield chunk
 
     return replay()
+
+
+async def _released(events: AsyncIterator[str], admission: Admission) -> AsyncIterator[str]:
+    try:
+        async for event in events:
+            yield event
+    finally:
+        admission.leave()
+
+
+def _install_middleware(app: FastAPI, settings: GatewaySettings, api_keys: ApiKeys) -> None:
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request.state.request_id = request_id
+        length = request.headers.get("content-length")
+        try:
+            if not request.url.path.startswith(OPEN_PATHS):
+                api_keys.check(request.headers.get("authorization"))
+            if length and length.isdigit() and int(length) > settings.max_body_bytes:
+                raise TooLarge(f"request body exceeds {settings.max_body_bytes} bytes")
+            response = await call_next(request)
+        except ServiceError as error:
+            response = error_response(error)
+        response.headers["x-request-id"] = request_id
+        return response
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -41,31 +72,31 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     app = FastAPI(title="VLM encode-once gateway", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
-
-    @app.middleware("http")
-    async def limits_and_request_id(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        request.state.request_id = request_id
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > settings.max_body_bytes:
-            response: Response = error_response(TooLarge(f"request body exceeds {settings.max_body_bytes} bytes"))
-        else:
-            response = await call_next(request)
-        response.headers["x-request-id"] = request_id
-        return response
+    _install_middleware(app, settings, ApiKeys(settings.api_keys))
+    admission = app.state.admission = Admission(settings.max_concurrent_requests)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict[str, Any] | StreamingResponse:
+        """OpenAI chat completions; image parts are encoded once and shared by every model."""
+        if body.model_extra:
+            logger.info("ignoring unsupported fields %s (request %s)", sorted(body.model_extra), request.state.request_id)
         backends: Backends = request.app.state.backends
         backends.llm_for(body.model)  # unknown model: 404 before any image is encoded
-        chat = await prepare(body, backends, settings.max_images_per_request)
-        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-        chunks = generate(body, chat, backends, request.state.request_id)
-        if not body.stream:
-            return await completion(completion_id, body.model, chunks)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = event_stream(completion_id, body.model, await _primed(chunks), include_usage)
-        return StreamingResponse(events, media_type="text/event-stream")
+        admission.enter()
+        streaming = False
+        try:
+            chat = await prepare(body, backends, settings)
+            completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+            chunks = generate(body, chat, backends, request.state.request_id)
+            if not body.stream:
+                return await completion(completion_id, body.model, body.n, chunks)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = event_stream(completion_id, body.model, body.n, await _primed(chunks), include_usage)
+            streaming = True
+            return StreamingResponse(_released(events, admission), media_type="text/event-stream")
+        finally:
+            if not streaming:
+                admission.leave()
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
@@ -75,13 +106,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.post("/v1/images/encode")
     async def encode_image(body: EncodeImageRequest, request: Request) -> EncodeImageResponse:
         """Encodes an image once (or finds it stored) and returns the key to reference it by."""
-        result = await request.app.state.backends.encoder.encode(
-            image_url=body.image_url, min_pixels=body.min_pixels, max_pixels=body.max_pixels
-        )
+        encoder = request.app.state.backends.encoder
+        result = await encoder.encode(image_url=body.image_url, min_pixels=body.min_pixels, max_pixels=body.max_pixels)
+        blob = await encoder.get_embedding(result.key) if body.return_embeddings else None
         return EncodeImageResponse(
-            key=result.key, grid_thw=result.grid_thw, num_tokens=result.num_tokens,
-            encoder_id=result.encoder_id, cache_hit=result.cache_hit,
-        )
+            key=result.key, grid_thw=result.grid_thw, num_tokens=result.num_tokens, encoder_id=result.encoder_id,
+            cache_hit=result.cache_hit, embeddings=base64.b64encode(blob).decode() if blob is not None else None,
+        )  # fmt: skip
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.settings import GatewaySettings
 from shared.errors import ModelNotFound, clip
-from shared.sdk import AsyncEncoderClient, AsyncLLMClient
+from shared.sdk import AsyncEncoderClient, AsyncLLMClient, ModelInfo
 
 
 class Backends:
@@ -24,6 +24,7 @@ class Backends:
         self._rotations: dict[str, Iterator[AsyncLLMClient]] = {
             name: itertools.cycle(clients) for name, clients in self._models.items()
         }
+        self._model_info: dict[str, ModelInfo] = {}
 
     @property
     def model_names(self) -> list[str]:
@@ -36,6 +37,13 @@ class Backends:
             known = ", ".join(self.model_names) or "none"
             raise ModelNotFound(f"model {clip(model)!r} does not exist; available: {known}", param="model")
         return next(rotation)
+
+    async def model_info(self, model: str) -> ModelInfo:
+        """What a model's service reports (accepted encoder ids, hidden size), asked once."""
+        if model not in self._model_info:
+            infos = await self.llm_for(model).list_models()
+            self._model_info[model] = next(info for info in infos if info.name == model)
+        return self._model_info[model]
 
     async def health(self) -> dict[str, bool]:
         """SERVING state of every backend, by target."""

@@ -4,13 +4,17 @@ service, and re-encode once if a stored key vanished before the LLM read it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from gateway.backends import Backends
+from gateway.inline_embeds import inline_blob
 from gateway.schemas import ChatCompletionRequest, ImageEmbedsPart, ImageUrlPart
+from gateway.settings import GatewaySettings
+from gateway.streams import merge_indexed
 from shared.errors import EmbeddingNotFound, InvalidInput
-from shared.sdk import GenerationChunk, ImageKey, Message, Sampling
+from shared.sdk import GenerationChunk, ImageKey, InlineEmbedding, Message, Sampling
 
 
 @dataclass
@@ -31,47 +35,62 @@ def _sampling(request: ChatCompletionRequest) -> Sampling:
     )
 
 
-async def prepare(request: ChatCompletionRequest, backends: Backends, max_images: int) -> PreparedChat:
-    """Turns every image_url part into a stored key (each distinct URL encoded once)."""
-    urls = [
-        part.image_url.url
-        for message in request.messages
+def _image_parts(request: ChatCompletionRequest) -> list[tuple[str, ImageUrlPart | ImageEmbedsPart]]:
+    """(param path, part) of every image part, in order."""
+    return [
+        (f"messages[{i}].content[{j}]", part)
+        for i, message in enumerate(request.messages)
         if isinstance(message.content, list)
-        for part in message.content
-        if isinstance(part, ImageUrlPart)
+        for j, part in enumerate(message.content)
+        if isinstance(part, ImageUrlPart | ImageEmbedsPart)
     ]
-    image_count = sum(
-        isinstance(p, ImageUrlPart | ImageEmbedsPart) for m in request.messages if isinstance(m.content, list) for p in m.content
-    )
-    if image_count > max_images:
-        raise InvalidInput(f"{image_count} images in one request; the limit is {max_images}", param="messages")
-    distinct = list(dict.fromkeys(urls))
-    encoded = await asyncio.gather(*(backends.encoder.encode(image_url=url) for url in distinct))
-    key_of = {url: result.key for url, result in zip(distinct, encoded, strict=True)}
+
+
+async def _encode_urls(request: ChatCompletionRequest, backends: Backends) -> dict[str, str]:
+    """URL -> key, each distinct URL encoded once, concurrently."""
+    urls = list(dict.fromkeys(p.image_url.url for _, p in _image_parts(request) if isinstance(p, ImageUrlPart)))
+    encoded = await asyncio.gather(*(backends.encoder.encode(image_url=url) for url in urls))
+    return {url: result.key for url, result in zip(urls, encoded, strict=True)}
+
+
+async def _inline(part: ImageEmbedsPart, param: str, request: ChatCompletionRequest, backends: Backends, settings: GatewaySettings) -> InlineEmbedding:
+    if not settings.allow_inline_embeds:
+        raise InvalidInput("inline image_embeds are disabled on this gateway; reference a stored key with uuid", param=param)
+    encoder_ids = (await backends.model_info(request.model)).accepted_encoder_ids
+    assert part.image_embeds is not None and part.image_grid_thw is not None  # checked by the schema
+    return InlineEmbedding(inline_blob(part.image_embeds, part.image_grid_thw, encoder_ids[0], param))
+
+
+async def prepare(request: ChatCompletionRequest, backends: Backends, settings: GatewaySettings) -> PreparedChat:
+    """Turns every image part into a stored key or an inline blob, in order."""
+    images = _image_parts(request)
+    if len(images) > settings.max_images_per_request:
+        raise InvalidInput(f"{len(images)} images in one request; the limit is {settings.max_images_per_request}", param="messages")
+    key_of = await _encode_urls(request, backends)
     messages = []
-    for message in request.messages:
+    for i, message in enumerate(request.messages):
         if isinstance(message.content, str):
             messages.append(Message(message.role, [message.content]))
             continue
-        content: list[str | ImageKey] = []
-        for part in message.content:
+        content: list[str | ImageKey | InlineEmbedding] = []
+        for j, part in enumerate(message.content):
             if isinstance(part, ImageUrlPart):
                 content.append(ImageKey(key_of[part.image_url.url]))
-            elif isinstance(part, ImageEmbedsPart):
+            elif isinstance(part, ImageEmbedsPart) and part.uuid is not None:
                 content.append(ImageKey(part.uuid))
+            elif isinstance(part, ImageEmbedsPart):
+                content.append(await _inline(part, f"messages[{i}].content[{j}]", request, backends, settings))
             else:
                 content.append(part.text)
         messages.append(Message(message.role, content))
     return PreparedChat(messages, {key: url for url, key in key_of.items()})
 
 
-async def generate(
-    request: ChatCompletionRequest, chat: PreparedChat, backends: Backends, request_id: str
+async def _one_choice(
+    request: ChatCompletionRequest, chat: PreparedChat, backends: Backends, sampling: Sampling, request_id: str
 ) -> AsyncIterator[GenerationChunk]:
-    """Streams the model's chunks. Errors before the first chunk propagate as-is,
-    except a missing key we can re-encode, which is retried once."""
+    """One choice's chunks. A missing key we can re-encode is re-encoded and retried once."""
     llm = backends.llm_for(request.model)
-    sampling = _sampling(request)
     stream = llm.generate(request.model, chat.messages, sampling, request_id)
     try:
         first = await anext(stream)
@@ -85,3 +104,15 @@ async def generate(
     yield first
     async for chunk in stream:
         yield chunk
+
+
+def generate(
+    request: ChatCompletionRequest, chat: PreparedChat, backends: Backends, request_id: str
+) -> AsyncIterator[tuple[int, GenerationChunk]]:
+    """(choice index, chunk) for all `n` choices; a seeded request seeds choice i with seed + i."""
+    sampling = _sampling(request)
+    streams = []
+    for index in range(request.n):
+        seeded = dataclasses.replace(sampling, seed=sampling.seed + index) if sampling.seed is not None else sampling
+        streams.append(_one_choice(request, chat, backends, seeded, f"{request_id}-{index}"))
+    return merge_indexed(streams)

@@ -10,36 +10,50 @@ from typing import Any
 from shared.errors import ServiceError
 from shared.sdk import GenerationChunk
 
+IndexedChunks = AsyncIterator[tuple[int, GenerationChunk]]
+
 
 def error_body(error: ServiceError) -> dict[str, Any]:
     return {"error": {"message": error.message, "type": error.kind.openai_type, "param": error.param, "code": error.code}}
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+class _Usage:
+    """Prompt tokens once (every choice shares the prompt); completion tokens summed."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+    def add(self, last: GenerationChunk) -> None:
+        self.prompt_tokens = last.prompt_tokens
+        self.completion_tokens += last.completion_tokens
+
+    def as_dict(self) -> dict[str, int]:
+        total = self.prompt_tokens + self.completion_tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total}
 
 
-async def completion(completion_id: str, model: str, chunks: AsyncIterator[GenerationChunk]) -> dict[str, Any]:
-    """Collects a whole stream into one chat.completion object."""
-    text, last = [], None
-    async for chunk in chunks:
-        text.append(chunk.text)
-        last = chunk
-    assert last is not None and last.finish_reason is not None, "a generation always ends with a finish chunk"
+async def completion(completion_id: str, model: str, n: int, chunks: IndexedChunks) -> dict[str, Any]:
+    """Collects all choices' streams into one chat.completion object."""
+    texts: list[list[str]] = [[] for _ in range(n)]
+    finish: list[str | None] = [None] * n
+    usage = _Usage()
+    async for index, chunk in chunks:
+        texts[index].append(chunk.text)
+        if chunk.finish_reason is not None:
+            finish[index] = chunk.finish_reason
+            usage.add(chunk)
+    choices = [
+        {"index": i, "message": {"role": "assistant", "content": "".join(texts[i])}, "finish_reason": finish[i], "logprobs": None}
+        for i in range(n)
+    ]
     return {
         "id": completion_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": "".join(text)},
-                "finish_reason": last.finish_reason,
-                "logprobs": None,
-            }
-        ],
-        "usage": _usage(last.prompt_tokens, last.completion_tokens),
+        "choices": choices,
+        "usage": usage.as_dict(),
     }
 
 
@@ -47,27 +61,30 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def event_stream(
-    completion_id: str, model: str, chunks: AsyncIterator[GenerationChunk], include_usage: bool
-) -> AsyncIterator[str]:
-    """chat.completion.chunk events: role first, finish_reason last, optional usage, then [DONE].
-    An error after the first chunk becomes an error event, then [DONE]."""
+async def event_stream(completion_id: str, model: str, n: int, chunks: IndexedChunks, include_usage: bool) -> AsyncIterator[str]:
+    """chat.completion.chunk events: each choice's role first and finish_reason last, an
+    optional usage chunk (empty choices), then [DONE]. An error after the first event
+    becomes an error event, then [DONE]."""
     created = int(time.time())
+    usage = _Usage()
 
-    def frame(delta: dict[str, Any], finish_reason: str | None) -> str:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-        return _sse({"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]})
+    def frame(choices: list[dict[str, Any]], **extra: Any) -> str:
+        return _sse({"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices, **extra})
 
-    yield frame({"role": "assistant", "content": ""}, None)
+    def choice(index: int, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+        return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+
+    for index in range(n):
+        yield frame([choice(index, {"role": "assistant", "content": ""})])
     try:
-        async for chunk in chunks:
+        async for index, chunk in chunks:
             if chunk.text:
-                yield frame({"content": chunk.text}, None)
+                yield frame([choice(index, {"content": chunk.text})])
             if chunk.finish_reason is not None:
-                yield frame({}, chunk.finish_reason)
-                if include_usage:
-                    usage = _usage(chunk.prompt_tokens, chunk.completion_tokens)
-                    yield _sse({"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": usage})
+                usage.add(chunk)
+                yield frame([choice(index, {}, chunk.finish_reason)])
+        if include_usage:
+            yield frame([], usage=usage.as_dict())
     except ServiceError as error:
         yield _sse(error_body(error))
     yield "data: [DONE]\n\n"

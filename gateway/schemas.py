@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class TextPart(BaseModel):
@@ -27,10 +27,25 @@ class ImageUrlPart(BaseModel):
 
 
 class ImageEmbedsPart(BaseModel):
+    """Embeddings instead of an image: a stored key (`uuid`), or inline in vLLM's form."""
+
     model_config = ConfigDict(extra="forbid")
     type: Literal["image_embeds"]
-    uuid: str = Field(min_length=1, description="Key of stored embeddings, as returned by /v1/images/encode.")
-    image_embeds: None = Field(None, description="Must be null: the embeddings are fetched by `uuid`.")
+    uuid: str | None = Field(None, min_length=1, description="Key of stored embeddings, as returned by /v1/images/encode.")
+    image_embeds: str | None = Field(
+        None, description="null with `uuid`; else base64 of a [tokens, hidden] tensor as .npy or safetensors bytes."
+    )
+    image_grid_thw: list[int] | None = Field(
+        None, min_length=3, max_length=3, description="[t, h, w] of inline embeddings (required with image_embeds)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ImageEmbedsPart:
+        if (self.uuid is None) == (self.image_embeds is None):
+            raise ValueError("set exactly one of uuid (a stored key) or image_embeds (inline, with image_grid_thw)")
+        if self.image_embeds is not None and self.image_grid_thw is None:
+            raise ValueError("inline image_embeds need image_grid_thw [t, h, w]")
+        return self
 
 
 ContentPart = Annotated[TextPart | ImageUrlPart | ImageEmbedsPart, Field(discriminator="type")]
@@ -59,7 +74,7 @@ class ChatCompletionRequest(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling mass.")
     seed: int | None = Field(None, description="Same seed, same output.")
     stop: str | list[str] | None = Field(None, description="Up to 4 stop strings.")
-    n: int = Field(1, ge=1, le=1, description="Number of choices; only 1 is supported.")
+    n: int = Field(1, ge=1, le=8, description="Number of choices, generated independently (seed + index when seeded).")
 
     @field_validator("stop")
     @classmethod
@@ -78,6 +93,7 @@ class EncodeImageRequest(BaseModel):
     image_url: str = Field(min_length=1, description="An http(s) URL or a data:image/...;base64 URL.")
     min_pixels: int = Field(0, ge=0, description="0 = the encoder's default.")
     max_pixels: int = Field(0, ge=0, description="0 = the encoder's default.")
+    return_embeddings: bool = Field(False, description="Also return the stored blob (safetensors, base64).")
 
 
 class EncodeImageResponse(BaseModel):
@@ -86,3 +102,6 @@ class EncodeImageResponse(BaseModel):
     num_tokens: int = Field(description="Prompt tokens the image occupies.")
     encoder_id: str
     cache_hit: bool
+    embeddings: str | None = Field(
+        None, description="With return_embeddings: base64 safetensors with image_embeds [tokens, hidden] and image_grid_thw [1, 3]."
+    )

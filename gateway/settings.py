@@ -22,4 +22,9 @@ class GatewaySettings(BaseSettings):
     max_images_per_request: int = Field(16, gt=0, description="Most images in one chat request.")
     max_body_bytes: int = Field(48 * 1024 * 1024, gt=0, description="Largest request body accepted.")
     grpc_max_message_bytes: int = Field(DEFAULT_GRPC_MAX_MESSAGE_BYTES, gt=0, description="Largest gRPC message to backends.")
+    api_keys: list[str] = Field(
+        default_factory=list, description="Accepted `Authorization: Bearer` keys (JSON list); empty = no authentication."
+    )
+    allow_inline_embeds: bool = Field(False, description="Accept inline image_embeds tensors (stored keys are always accepted).")
+    max_concurrent_requests: int = Field(256, gt=0, description="Chat completions in flight before new ones get 429.")
     log_level: str = Field("INFO", description="Python logging level.")

@@ -86,6 +86,14 @@ def validate_blob(blob: EmbeddingBlob, rules: BlobRules, where: str = "embedding
 def encode_blob(blob: EmbeddingBlob, rules: BlobRules) -> bytes:
     """Validates and serializes a blob to safetensors bytes."""
     validate_blob(blob, rules)
+    return serialize_unvalidated(blob)
+
+
+def serialize_unvalidated(blob: EmbeddingBlob) -> bytes:
+    """Serializes without checking: only for forwarding client tensors to a service that
+    validates them on read (the gateway does not know each model's rules)."""
+    if blob.embeds.dtype not in ALLOWED_DTYPES:
+        raise InvalidEmbedding(f"embedding dtype {blob.embeds.dtype} is not one of {sorted(ALLOWED_DTYPES.values())}")
     prefix = blob.modality
     tensors = {f"{prefix}_embeds": blob.embeds.contiguous(), f"{prefix}_grid_thw": blob.grid_thw.contiguous()}
     metadata = {

@@ -94,6 +94,13 @@ class Unavailable(ServiceError):
     retry_after_s: ClassVar[int] = 1
 
 
+class RateLimited(ServiceError):
+    """Too much load right now; the client should retry after a pause."""
+
+    kind = ErrorKind(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error")
+    code = "rate_limit_exceeded"
+
+
 class Unauthenticated(ServiceError):
     kind = ErrorKind(grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error")
     code = "invalid_api_key"
@@ -117,6 +124,7 @@ ERROR_CLASSES: tuple[type[ServiceError], ...] = (
     EmbeddingNotFound,
     NotFound,
     IncompatibleEncoder,
+    RateLimited,
     TooLarge,
     Unavailable,
     Unauthenticated,

@@ -6,9 +6,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI
 from openai import OpenAI
 
-from tests.harness import BackgroundLoop, RedisServer, Stack, start_stack, stop_stack
+from gateway.app import create_app
+from tests.harness import BackgroundLoop, RedisServer, Stack, gateway_settings_for, start_gateway, start_stack, stop_stack
 from tests.model_fixtures import build_test_checkpoints
 
 MODELS = ("ft-a", "ft-b")
@@ -52,3 +54,21 @@ def live_redis(redis_server: RedisServer) -> Iterator[RedisServer]:
 @pytest.fixture(scope="session")
 def openai_client(stack: Stack) -> OpenAI:
     return OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def strict_gateway_app(stack: Stack, background_loop: BackgroundLoop) -> Iterator[FastAPI]:
+    """A second gateway on the same backends: API keys, inline embeddings on, one request at a time."""
+    settings = gateway_settings_for(
+        stack.encoder, stack.llms, api_keys=["test-key-1", "test-key-2"], allow_inline_embeds=True, max_concurrent_requests=1
+    )
+    app = create_app(settings)
+    server, port = background_loop.run(start_gateway(app))
+    app.state.base_url = f"http://127.0.0.1:{port}"
+    yield app
+    server.should_exit = True
+
+
+@pytest.fixture(scope="session")
+def strict_gateway(strict_gateway_app: FastAPI) -> str:
+    return strict_gateway_app.state.base_url

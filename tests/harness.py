@@ -111,7 +111,7 @@ class Stack:
         return f"http://127.0.0.1:{self.gateway_port}"
 
 
-async def _start_gateway(app: FastAPI) -> tuple[uvicorn.Server, int]:
+async def start_gateway(app: FastAPI) -> tuple[uvicorn.Server, int]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -122,19 +122,23 @@ async def _start_gateway(app: FastAPI) -> tuple[uvicorn.Server, int]:
     return server, port
 
 
+def gateway_settings_for(encoder: EncoderServer, llms: dict[str, LLMServer], **overrides: Any) -> GatewaySettings:
+    return GatewaySettings(
+        encoder_target=f"127.0.0.1:{encoder.port}",
+        models={name: [f"127.0.0.1:{server.port}"] for name, server in llms.items()},
+        request_timeout_s=120,
+        **overrides,
+    )
+
+
 async def start_stack(checkpoints: dict[str, Path], redis_server: RedisServer, models: tuple[str, ...]) -> Stack:
     common = {"redis_url": redis_server.url, "host": "127.0.0.1", "port": 0}
     encoder = await start_encoder_server(EncoderSettings(checkpoint=str(checkpoints["base"]), allow_private_urls=True, **common))
     llms = {}
     for name in models:
         llms[name] = await start_llm_server(LLMSettings(checkpoint=str(checkpoints[name]), model_name=name, **common))
-    gateway_settings = GatewaySettings(
-        encoder_target=f"127.0.0.1:{encoder.port}",
-        models={name: [f"127.0.0.1:{server.port}"] for name, server in llms.items()},
-        request_timeout_s=120,
-    )
-    app = create_app(gateway_settings)
-    uvicorn_server, port = await _start_gateway(app)
+    app = create_app(gateway_settings_for(encoder, llms))
+    uvicorn_server, port = await start_gateway(app)
     return Stack(encoder, llms, port, uvicorn_server, redis_server, app)
 
 

@@ -1,0 +1,39 @@
+"""Who may call the gateway (API keys) and how many chat completions run at once."""
+
+from __future__ import annotations
+
+import hmac
+
+from shared.errors import RateLimited, Unauthenticated
+
+
+class ApiKeys:
+    """Checks `Authorization: Bearer <key>`; no keys configured means open access."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self._keys = [key.encode() for key in keys if key]
+
+    def check(self, authorization: str | None) -> None:
+        if not self._keys:
+            return
+        scheme, _, presented = (authorization or "").partition(" ")
+        # compare_digest against every key: the time taken says nothing about which was close.
+        matches = [hmac.compare_digest(presented.strip().encode(), key) for key in self._keys]
+        if scheme.lower() != "bearer" or not any(matches):
+            raise Unauthenticated("missing or invalid API key; send Authorization: Bearer <key>")
+
+
+class Admission:
+    """Counts chat completions in flight; over the limit a new one gets 429 + Retry-After."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+
+    def enter(self) -> None:
+        if self.in_flight >= self.limit:
+            raise RateLimited(f"too many requests in flight (limit {self.limit}); retry shortly")
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        self.in_flight -= 1

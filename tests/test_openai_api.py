@@ -1,0 +1,174 @@
+"""What a client expects of the API, checked with the official openai client:
+choices, sampling, stop, usage, multi-image conversations, embeddings in and out,
+API keys and load shedding."""
+
+from __future__ import annotations
+
+import base64
+import io
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from fastapi import FastAPI
+from openai import OpenAI
+
+from shared.blob import BlobRules, decode_blob
+from shared.sdk import EncoderClient, ImageKey, LLMClient, Message, Sampling
+from tests.harness import Stack
+from tests.images import data_url, png_bytes
+
+
+def _image_message(url: str, text: str) -> dict:
+    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}
+
+
+def test_n_choices_with_a_seed_are_indexed_and_reproducible(stack: Stack, openai_client: OpenAI) -> None:
+    kwargs = dict(model="ft-a", max_tokens=8, temperature=1.0, seed=7, n=2, messages=[{"role": "user", "content": "Tell a story"}])
+    first = openai_client.chat.completions.create(**kwargs)
+    again = openai_client.chat.completions.create(**kwargs)
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+    assert first.choices[0].message.content != first.choices[1].message.content
+    assert first.usage.completion_tokens == 16
+
+
+def test_streaming_n_choices_each_end_with_a_finish_reason(stack: Stack, openai_client: OpenAI) -> None:
+    stream = openai_client.chat.completions.create(
+        model="ft-b", max_tokens=5, n=2, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "hi"}],
+    )  # fmt: skip
+    chunks = list(stream)
+    finishes = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert finishes == {0: "length", 1: "length"}
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_max_completion_tokens_stop_list_and_unknown_fields(stack: Stack, openai_client: OpenAI) -> None:
+    reply = openai_client.chat.completions.create(
+        model="ft-a", max_completion_tokens=3, messages=[{"role": "user", "content": "hi"}],
+        extra_body={"some_vendor_field": {"x": 1}}, user="someone",
+    )  # fmt: skip
+    assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "length"
+    long = openai_client.chat.completions.create(model="ft-a", max_tokens=12, temperature=0, messages=[{"role": "user", "content": "hi"}])
+    text = long.choices[0].message.content
+    cut = openai_client.chat.completions.create(
+        model="ft-a", max_tokens=12, temperature=0, stop=["\u2603", text[4:6]], messages=[{"role": "user", "content": "hi"}]
+    )
+    assert cut.choices[0].message.content == text[: text.index(text[4:6])]
+
+
+def test_several_images_across_messages_and_turns_match_the_sdk(stack: Stack, openai_client: OpenAI) -> None:
+    first, second = png_bytes(301), png_bytes(302)
+    with EncoderClient(stack.encoder_target) as encoder:
+        key_first, key_second = encoder.encode(image_bytes=first).key, encoder.encode(image_bytes=second).key
+    messages = [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(first)}},
+                                     {"type": "image_embeds", "image_embeds": None, "uuid": key_second},
+                                     {"type": "text", "text": "Compare them."}]},
+        {"role": "assistant", "content": "They differ."},
+        _image_message(data_url(second), "And now?"),
+    ]  # fmt: skip
+    reply = openai_client.chat.completions.create(model="ft-b", max_tokens=8, temperature=0, messages=messages)
+    sdk_messages = [
+        Message("user", [ImageKey(key_first), ImageKey(key_second), "Compare them."]),
+        Message("assistant", ["They differ."]),
+        Message("user", [ImageKey(key_second), "And now?"]),
+    ]
+    with LLMClient(stack.llm_target("ft-b")) as llm:
+        expected = "".join(c.text for c in llm.generate("ft-b", sdk_messages, Sampling(max_tokens=8)))
+    assert reply.choices[0].message.content == expected
+
+
+def test_too_many_images_is_400(stack: Stack) -> None:
+    part = {"type": "image_url", "image_url": {"url": data_url(png_bytes(303))}}
+    body = {"model": "ft-a", "messages": [{"role": "user", "content": [part] * 17}]}
+    response = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400 and "limit is 16" in response.json()["error"]["message"]
+
+
+def test_encode_endpoint_returns_the_embeddings_on_request(stack: Stack) -> None:
+    reply = httpx.post(f"{stack.base_url}/v1/images/encode", json={"image_url": data_url(png_bytes(304)), "return_embeddings": True}).json()
+    blob = decode_blob(base64.b64decode(reply["embeddings"]), BlobRules(2, 256, frozenset({reply["encoder_id"]})))
+    assert blob.num_tokens == reply["num_tokens"] and blob.grid_thw[0].tolist() == reply["grid_thw"]
+    plain = httpx.post(f"{stack.base_url}/v1/images/encode", json={"image_url": data_url(png_bytes(304))}).json()
+    assert plain["embeddings"] is None and plain["cache_hit"]
+
+
+def _keyed(strict_gateway: str, key: str = "test-key-2") -> OpenAI:
+    return OpenAI(base_url=f"{strict_gateway}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def test_api_keys_are_required_and_never_echoed(strict_gateway: str) -> None:
+    assert [m.id for m in _keyed(strict_gateway).models.list()] == ["ft-a", "ft-b"]
+    with pytest.raises(openai.AuthenticationError) as caught:
+        _keyed(strict_gateway, "wrong-secret-value").models.list()
+    assert "wrong-secret-value" not in caught.value.response.text
+    assert caught.value.response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{strict_gateway}/health").status_code == 200  # probes need no key
+
+
+def _npy_b64(tensor: torch.Tensor) -> str:
+    buffer = io.BytesIO()
+    np.save(buffer, tensor.numpy())
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_inline_embeddings_in_vllm_form_answer_like_the_stored_key(stack: Stack, strict_gateway: str) -> None:
+    with EncoderClient(stack.encoder_target) as encoder:
+        result = encoder.encode(image_bytes=png_bytes(305))
+        blob = decode_blob(encoder.get_embedding(result.key), BlobRules(2, 256, frozenset({result.encoder_id})))
+    inline = {"type": "image_embeds", "image_embeds": _npy_b64(blob.embeds), "image_grid_thw": result.grid_thw}
+    by_key = {"type": "image_embeds", "image_embeds": None, "uuid": result.key}
+    client = _keyed(strict_gateway)
+    answers = [
+        client.chat.completions.create(model="ft-a", max_tokens=6, temperature=0,
+                                       messages=[{"role": "user", "content": [part, {"type": "text", "text": "What?"}]}])
+        .choices[0].message.content
+        for part in (inline, by_key)
+    ]  # fmt: skip
+    assert answers[0] == answers[1]
+
+
+def test_pickle_payloads_are_refused_naming_the_safe_formats(strict_gateway: str, stack: Stack) -> None:
+    buffer = io.BytesIO()
+    torch.save(torch.zeros(4, 256), buffer)
+    part = {"type": "image_embeds", "image_embeds": base64.b64encode(buffer.getvalue()).decode(), "image_grid_thw": [1, 4, 4]}
+    body = {"model": "ft-a", "messages": [{"role": "user", "content": [part]}]}
+    response = httpx.post(f"{strict_gateway}/v1/chat/completions", json=body, headers={"authorization": "Bearer test-key-1"})
+    assert response.status_code == 400
+    assert ".npy" in response.json()["error"]["message"] and "safetensors" in response.json()["error"]["message"]
+    disabled = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body)
+    assert disabled.status_code == 400 and "disabled" in disabled.json()["error"]["message"]
+
+
+def test_over_the_concurrency_limit_is_429_with_retry_after(strict_gateway_app: FastAPI) -> None:
+    encoder = strict_gateway_app.state.backends.encoder
+    original_encode, release = encoder.encode, threading.Event()
+
+    async def held_encode(**kwargs: object):  # keeps the first request in flight until released
+        await asyncio.to_thread(release.wait, 60)
+        return await original_encode(**kwargs)
+
+    url, headers = f"{strict_gateway_app.state.base_url}/v1/chat/completions", {"authorization": "Bearer test-key-1"}
+    body = {"model": "ft-a", "max_tokens": 2, "messages": [_image_message(data_url(png_bytes(306)), "hi")]}
+    encoder.encode = held_encode
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(httpx.post, url, json=body, headers=headers, timeout=120)
+            while strict_gateway_app.state.admission.in_flight == 0:
+                time.sleep(0.01)
+            second = httpx.post(url, json=body, headers=headers, timeout=60)
+            release.set()
+            assert first.result().status_code == 200
+    finally:
+        encoder.encode = original_encode
+        release.set()
+    assert second.status_code == 429 and second.headers["retry-after"] == "1"
+    assert second.json()["error"]["code"] == "rate_limit_exceeded"
