@@ -8,6 +8,13 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
+# Bounds that keep values inside the gRPC field types (int32/int64); the services
+# apply their own, tighter limits and say so in their errors.
+MAX_TOKENS_BOUND = 1_000_000
+MAX_PIXELS_BOUND = 1_000_000_000
+MAX_GRID_SIDE = 65_535
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
@@ -35,7 +42,7 @@ class ImageEmbedsPart(BaseModel):
     image_embeds: str | None = Field(
         None, description="null with `uuid`; else base64 of a [tokens, hidden] tensor as .npy or safetensors bytes."
     )
-    image_grid_thw: list[int] | None = Field(
+    image_grid_thw: list[Annotated[int, Field(ge=1, le=MAX_GRID_SIDE)]] | None = Field(
         None, min_length=3, max_length=3, description="[t, h, w] of inline embeddings (required with image_embeds)."
     )
 
@@ -68,11 +75,11 @@ class ChatCompletionRequest(BaseModel):
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation, oldest first.")
     stream: bool = Field(False, description="Stream chunks as server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
-    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
-    max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens (newer OpenAI name).")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_BOUND, description="Most tokens to generate.")
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_BOUND, description="Alias of max_tokens (newer OpenAI name).")
     temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy.")
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling mass.")
-    seed: int | None = Field(None, description="Same seed, same output.")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same output.")
     stop: str | list[str] | None = Field(None, description="Up to 4 stop strings.")
     n: int = Field(1, ge=1, le=8, description="Number of choices, generated independently (seed + index when seeded).")
 
@@ -91,8 +98,8 @@ class ChatCompletionRequest(BaseModel):
 class EncodeImageRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     image_url: str = Field(min_length=1, description="An http(s) URL or a data:image/...;base64 URL.")
-    min_pixels: int = Field(0, ge=0, description="0 = the encoder's default.")
-    max_pixels: int = Field(0, ge=0, description="0 = the encoder's default.")
+    min_pixels: int = Field(0, ge=0, le=MAX_PIXELS_BOUND, description="0 = the encoder's default.")
+    max_pixels: int = Field(0, ge=0, le=MAX_PIXELS_BOUND, description="0 = the encoder's default.")
     return_embeddings: bool = Field(False, description="Also return the stored blob (safetensors, base64).")
 
 

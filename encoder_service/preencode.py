@@ -1,0 +1,206 @@
+"""Pre-encodes a dataset's images so later questions only fetch stored embeddings.
+
+    python -m encoder_service.preencode --encoder 127.0.0.1:50051 --manifest out.jsonl \
+        images/ extra.png https://example.com/cat.png @more.txt
+
+A SOURCE is an image file, a folder (searched recursively for IMAGE_SUFFIXES, sorted),
+an http(s) URL, or `@list.txt` (one path or URL per line; blank lines and `#` comments
+skipped; relative paths are relative to the list file). The manifest gets one JSON line
+per image, in input order:
+    {"source", "key", "grid_thw": [t, h, w], "num_tokens", "cache_hit"}
+or, when that image failed (the run goes on):
+    {"source", "error": {"code", "message"}}
+Exit status: 0 all encoded, 1 some failed, 2 usage error (no sources, unreadable list file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections import deque
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+from shared.errors import ServiceError
+from shared.sdk import AsyncEncoderClient, EncodedImage
+
+IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"})
+URL_PREFIXES = ("http://", "https://")
+# Not a service error code: the file never reached the encoder.
+UNREADABLE_CODE = "unreadable_file"
+
+WINDOW_PER_SLOT = 4
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """Bad arguments; reported before any image is sent."""
+
+
+@dataclass
+class Progress:
+    """The bar plus the counts shown beside it."""
+
+    bar: tqdm
+    cache_hits: int = 0
+    failed: int = 0
+
+    def done(self, record: dict[str, Any]) -> None:
+        if "error" in record:
+            self.failed += 1
+        elif record["cache_hit"]:
+            self.cache_hits += 1
+        self.bar.set_postfix(cache_hits=self.cache_hits, failed=self.failed, refresh=False)
+        self.bar.update(1)
+
+
+def _folder_images(folder: Path) -> list[str]:
+    files = (p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    return sorted(str(p) for p in files)
+
+
+def _read_list(list_file: Path) -> list[str]:
+    try:
+        lines = list_file.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"cannot read list file {list_file}: {error}") from None
+    entries = []
+    for line in lines:
+        entry = line.strip()
+        if not entry or entry.startswith("#"):
+            continue
+        is_relative = not entry.startswith(URL_PREFIXES) and not Path(entry).is_absolute()
+        entries.append(str(list_file.parent / entry) if is_relative else entry)
+    return entries
+
+
+def _expand_path_or_url(source: str) -> list[str]:
+    if not source.startswith(URL_PREFIXES) and Path(source).is_dir():
+        return _folder_images(Path(source))
+    # A missing path is kept: it becomes a failure line, like a corrupt file.
+    return [source]
+
+
+def expand_sources(sources: list[str]) -> list[str]:
+    """Files and URLs, in argument order; folders and list files expand in place.
+
+    Lines of a list file are taken literally (a list cannot include another)."""
+    expanded: list[str] = []
+    for source in sources:
+        entries = _read_list(Path(source[1:])) if source.startswith("@") else [source]
+        for entry in entries:
+            expanded.extend(_expand_path_or_url(entry))
+    return expanded
+
+
+def _error_record(source: str, code: str, message: str) -> dict[str, Any]:
+    return {"source": source, "error": {"code": code, "message": message}}
+
+
+def _success_record(source: str, image: EncodedImage) -> dict[str, Any]:
+    fields = {"key": image.key, "grid_thw": image.grid_thw, "num_tokens": image.num_tokens, "cache_hit": image.cache_hit}
+    return {"source": source, **fields}
+
+
+async def encode_one(client: AsyncEncoderClient, source: str, pixels: tuple[int, int]) -> dict[str, Any]:
+    """One manifest record; every expected failure becomes an error record."""
+    min_pixels, max_pixels = pixels
+    try:
+        if source.startswith(URL_PREFIXES):
+            image = await client.encode(image_url=source, min_pixels=min_pixels, max_pixels=max_pixels)
+        else:
+            data = await asyncio.to_thread(Path(source).read_bytes)
+            image = await client.encode(image_bytes=data, min_pixels=min_pixels, max_pixels=max_pixels)
+    except OSError as error:
+        return _error_record(source, UNREADABLE_CODE, f"{type(error).__name__}: {error.strerror or error}")
+    except ServiceError as error:
+        return _error_record(source, error.code, error.message)
+    return _success_record(source, image)
+
+
+def _write(out: TextIO, record: dict[str, Any]) -> None:
+    out.write(json.dumps(record) + "\n")
+    out.flush()
+
+
+async def run(args: argparse.Namespace, sources: list[str], out: TextIO) -> int:
+    """Encodes every source with at most `args.concurrency` requests in flight."""
+    gate = asyncio.Semaphore(args.concurrency)
+    pixels = (args.min_pixels, args.max_pixels)
+    progress = Progress(tqdm(total=len(sources), unit="img", file=sys.stderr, dynamic_ncols=True))
+
+    async with AsyncEncoderClient(args.encoder, timeout_s=args.timeout) as client:
+
+        async def bounded(source: str) -> dict[str, Any]:
+            async with gate:
+                record = await encode_one(client, source, pixels)
+            progress.done(record)
+            return record
+
+        # Lines are written in input order as soon as all before them are done (the
+        # manifest can be followed with `tail -f`); tasks are created at most WINDOW_PER_SLOT
+        # per slot ahead of the oldest unwritten one, so a million-image list stays cheap.
+        pending: deque[asyncio.Task[dict[str, Any]]] = deque()
+        for source in sources:
+            pending.append(asyncio.create_task(bounded(source)))
+            if len(pending) >= args.concurrency * WINDOW_PER_SLOT:
+                _write(out, await pending.popleft())
+        while pending:
+            _write(out, await pending.popleft())
+    progress.bar.close()
+    print(f"{len(sources)} images: {progress.cache_hits} cache hits, {progress.failed} failed", file=sys.stderr)
+    return EXIT_FAILED if progress.failed else EXIT_OK
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}")
+        return value
+
+    return parse
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m encoder_service.preencode", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--encoder", default="127.0.0.1:50051", help="host:port of the encoder service")
+    parser.add_argument("--concurrency", type=_at_least(1), default=8, help="most Encode calls in flight")
+    parser.add_argument("--manifest", type=Path, help="JSONL output file (default: stdout)")
+    parser.add_argument("--min-pixels", type=_at_least(0), default=0, help="resize floor (0 = the encoder's default)")
+    parser.add_argument("--max-pixels", type=_at_least(0), default=0, help="resize ceiling (0 = the encoder's default)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per Encode call")
+    parser.add_argument("sources", nargs="*", metavar="SOURCE", help="image file, folder, http(s) URL or @list.txt")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        sources = expand_sources(args.sources)
+        if not sources:
+            raise UsageError("no images to encode (give files, folders, URLs or @list.txt)")
+        manifest = nullcontext(sys.stdout) if args.manifest is None else _create(args.manifest)
+    except UsageError as error:
+        print(f"preencode: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    with manifest as out:
+        return asyncio.run(run(args, sources, out))
+
+
+def _create(path: Path) -> TextIO:
+    try:
+        return path.open("w")
+    except OSError as error:
+        raise UsageError(f"cannot write manifest {path}: {error.strerror or error}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Encode an image once with the blocking gRPC SDK, then stream a model's answer about it.
+
+Against `make serve` (encoder on :50051, model ft-a on :50061):
+
+    .venv/bin/python examples/sdk_sync.py --encoder 127.0.0.1:50051 --llm 127.0.0.1:50061 --model ft-a cat.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from shared.errors import ServiceError
+from shared.sdk import EncoderClient, ImageKey, LLMClient, Message, Sampling
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--encoder", default="127.0.0.1:50051", help="encoder service host:port")
+    parser.add_argument("--llm", default="127.0.0.1:50061", help="LLM service host:port")
+    parser.add_argument("--model", default="ft-a", help="model name that LLM service serves")
+    parser.add_argument("--question", default="What is in this image?")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("image", type=Path, help="image file (png, jpeg, webp, ...)")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    with EncoderClient(args.encoder) as encoder, LLMClient(args.llm) as llm:
+        image = encoder.encode(image_bytes=args.image.read_bytes())
+        print(f"encoded: {image.key} grid_thw={image.grid_thw} tokens={image.num_tokens} cache_hit={image.cache_hit}")
+        # The key stands in for the image: the LLM service reads the embeddings from Redis.
+        messages = [Message("user", [ImageKey(image.key), args.question])]
+        print(f"[{args.model}] ", end="", flush=True)
+        for chunk in llm.generate(args.model, messages, Sampling(max_tokens=args.max_tokens, temperature=0)):
+            print(chunk.text, end="", flush=True)
+            if chunk.finish_reason:
+                print(f"\nfinish: {chunk.finish_reason} (prompt {chunk.prompt_tokens}, completion {chunk.completion_tokens} tokens)")
+        stats = encoder.stats()
+        print(f"encoder stats: images_encoded={stats.images_encoded} cache_hits={stats.cache_hits} passes={stats.forward_passes}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ServiceError as error:
+        sys.exit(f"error ({error.code}): {error.message}")
+    except OSError as error:
+        sys.exit(f"error: {error}")
