@@ -22,7 +22,7 @@ from gateway.settings import GatewaySettings
 from shared.errors import ServiceError, TooLarge
 
 logger = logging.getLogger(__name__)
-OPEN_PATHS = ("/health", "/docs", "/openapi.json")
+OPEN_PATHS = ("/health", "/livez", "/readyz", "/docs", "/openapi.json")
 
 
 async def _primed(chunks: IndexedChunks) -> IndexedChunks:
@@ -113,6 +113,18 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             key=result.key, grid_thw=result.grid_thw, num_tokens=result.num_tokens, encoder_id=result.encoder_id,
             cache_hit=result.cache_hit, embeddings=base64.b64encode(blob).decode() if blob is not None else None,
         )  # fmt: skip
+
+    @app.get("/livez")
+    async def livez() -> dict[str, str]:
+        """Liveness: the process answers (no backend is asked)."""
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz(request: Request) -> JSONResponse:
+        """Readiness: the encoder and at least one service per model are SERVING."""
+        backends: Backends = request.app.state.backends
+        ready = await backends.ready()
+        return JSONResponse({"status": "ok" if ready else "not ready"}, status_code=200 if ready else 503)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

@@ -50,6 +50,16 @@ class Backends:
         targets = {self.encoder.target, *(c.target for clients in self._models.values() for c in clients)}
         return {target: await _is_serving(target) for target in sorted(targets)}
 
+    async def ready(self) -> bool:
+        """The encoder, and at least one service of every model, report SERVING."""
+        if not await _is_serving(self.encoder.target):
+            return False
+        for clients in self._models.values():
+            states = [await _is_serving(client.target) for client in clients]
+            if not any(states):
+                return False
+        return True
+
     async def close(self) -> None:
         await self.encoder.close()
         for clients in self._models.values():

@@ -128,6 +128,8 @@ def test_models_health_and_request_id(stack: Stack, openai_client: OpenAI) -> No
     health = httpx.get(f"{stack.base_url}/health")
     assert health.status_code == 200 and all(health.json()["backends"].values())
     assert httpx.get(f"{stack.base_url}/v1/models", headers={"x-request-id": "abc"}).headers["x-request-id"] == "abc"
+    assert httpx.get(f"{stack.base_url}/livez").status_code == 200
+    assert httpx.get(f"{stack.base_url}/readyz").status_code == 200
 
 
 def test_stop_string_cuts_the_answer_before_it(stack: Stack, openai_client: OpenAI) -> None:

@@ -37,6 +37,8 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, object]]:
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.enable_retries", 1),
+        # A dns:/// target naming a headless Service resolves to every pod; spread calls over them.
+        ("grpc.lb_policy_name", "round_robin"),
         ("grpc.service_config", RETRY_SERVICE_CONFIG),
     ]
 
