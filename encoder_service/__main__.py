@@ -7,12 +7,15 @@ import logging
 
 from encoder_service.server import start_encoder_server
 from encoder_service.settings import EncoderSettings
+from shared.grpc_metrics import serve_metrics
 from shared.grpc_server import serve_until_signal
+from shared.request_context import configure_logging
 
 
 async def main() -> None:
     settings = EncoderSettings()
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s encoder %(name)s: %(message)s")
+    configure_logging("encoder", settings.log_level, settings.json_logs)
+    serve_metrics(settings.metrics_port)
     server = await start_encoder_server(settings)
     logging.getLogger(__name__).info("encoder %s ready on port %d", server.core.encoder_id, server.port)
     await serve_until_signal(server.running, settings.grace_s)

@@ -17,8 +17,16 @@ logger = logging.getLogger(__name__)
 
 
 class MicroBatcher(Generic[In, Out]):
-    def __init__(self, run_batch: Callable[[list[In]], list[Out]], max_batch_size: int, max_wait_s: float) -> None:
+    def __init__(
+        self,
+        run_batch: Callable[[list[In]], list[Out]],
+        max_batch_size: int,
+        max_wait_s: float,
+        on_batch: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """`on_batch(batch_size, queue_depth_left)` is called before each batch runs (for metrics)."""
         self._run_batch = run_batch
+        self._on_batch = on_batch
         self._max_batch_size = max_batch_size
         self._max_wait_s = max_wait_s
         self._queue: asyncio.Queue[tuple[In, asyncio.Future[Out]]] = asyncio.Queue()
@@ -62,6 +70,8 @@ class MicroBatcher(Generic[In, Out]):
             batch = [entry for entry in await self._collect() if not entry[1].done()]
             if not batch:
                 continue
+            if self._on_batch is not None:
+                self._on_batch(len(batch), self._queue.qsize())
             try:
                 results = await asyncio.to_thread(self._run_batch, [item for item, _ in batch])
             except Exception as error:  # the batch's failure is each caller's failure

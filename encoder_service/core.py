@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
 
+from encoder_service import metrics
 from encoder_service.batcher import MicroBatcher
 from encoder_service.fetch import FetchPolicy, fetch_image
 from encoder_service.images import decode_data_url, load_image
@@ -77,6 +79,7 @@ class EncoderCore:
         running = self._in_flight.get(key)
         if running is not None:
             self.counters.coalesced += 1
+            metrics.COALESCED.inc()
             result = await asyncio.shield(running)
             return EncodeResult(result.key, result.grid_thw, result.num_tokens, True, result.encoder_id)
         task = asyncio.create_task(self._encode_or_reuse(key, image_bytes, min_px, max_px))
@@ -121,9 +124,11 @@ class EncoderCore:
             try:
                 blob = decode_blob(stored, self.rules, where=key)
                 self.counters.cache_hits += 1
+                metrics.CACHE_HITS.inc()
                 return self._result(key, blob, cache_hit=True)
             except InvalidEmbedding:
                 logger.warning("stored blob %s breaks the contract; re-encoding", key)
+        started = time.perf_counter()
         image = await asyncio.to_thread(load_image, image_bytes, self.limits.max_decoded_pixels)
         pixel_values, grid_thw = await asyncio.to_thread(self.vision.preprocess, image, min_px, max_px)
         embeds = await self.batcher.submit((pixel_values, grid_thw))
@@ -131,6 +136,11 @@ class EncoderCore:
         data = await asyncio.to_thread(encode_blob, blob, self.rules)
         await self.store.put(key, data)
         self.counters.images_encoded += 1
+        metrics.IMAGES_ENCODED.inc()
+        metrics.BLOB_BYTES.observe(len(data))
+        elapsed = time.perf_counter() - started
+        metrics.ENCODE_SECONDS.observe(elapsed)
+        logger.info("encoded %s: %d tokens, %d bytes, %.3fs", key, blob.num_tokens, len(data), elapsed)
         return self._result(key, blob, cache_hit=False)
 
     def _result(self, key: str, blob: EmbeddingBlob, cache_hit: bool) -> EncodeResult:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from encoder_service import metrics
 from encoder_service.batcher import MicroBatcher
 from encoder_service.core import EncoderCore, EncoderLimits
 from encoder_service.fetch import FetchPolicy
@@ -36,11 +37,16 @@ class EncoderServer:
         await self.core.store.aclose()
 
 
+def _observe_batch(batch_size: int, queue_depth: int) -> None:
+    metrics.BATCH_SIZE.observe(batch_size)
+    metrics.QUEUE_DEPTH.set(queue_depth)
+
+
 def build_core(settings: EncoderSettings) -> EncoderCore:
     checkpoint = resolve_checkpoint(settings.checkpoint)
     vision = VisionEncoder.load(str(checkpoint), settings.device, getattr(torch, settings.dtype))
     encoder_id = settings.encoder_id or compute_encoder_id(checkpoint)
-    batcher = MicroBatcher(vision.encode_batch, settings.max_batch_size, settings.batch_wait_ms / 1000)
+    batcher = MicroBatcher(vision.encode_batch, settings.max_batch_size, settings.batch_wait_ms / 1000, _observe_batch)
     limits = EncoderLimits(
         max_image_bytes=settings.max_image_bytes,
         max_decoded_pixels=settings.max_decoded_pixels,
@@ -59,7 +65,7 @@ async def start_encoder_server(settings: EncoderSettings, core: EncoderCore | No
         encoder_pb2_grpc.add_EncoderServiceServicer_to_server(EncoderServicer(core), server)
 
     running = await start_server(
-        register, [SERVICE_NAME], f"{settings.host}:{settings.port}", settings.grpc_max_message_bytes
+        register, [SERVICE_NAME], f"{settings.host}:{settings.port}", settings.grpc_max_message_bytes, settings.server_security()
     )
     await running.set_serving(True)
     return EncoderServer(running, core)

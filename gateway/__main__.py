@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import logging
-
 import uvicorn
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
+from shared.request_context import configure_logging
 
 
 def main() -> None:
     settings = GatewaySettings()
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s gateway %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower())
+    configure_logging("gateway", settings.log_level, settings.json_logs)
+    # log_config=None: uvicorn's loggers go through our (JSON) handler instead of its own.
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None)
 
 
 if __name__ == "__main__":

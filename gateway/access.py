@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 
+from gateway.metrics import IN_FLIGHT
 from shared.errors import RateLimited, Unauthenticated
 
 
@@ -34,6 +35,8 @@ class Admission:
         if self.in_flight >= self.limit:
             raise RateLimited(f"too many requests in flight (limit {self.limit}); retry shortly")
         self.in_flight += 1
+        IN_FLIGHT.inc()
 
     def leave(self) -> None:
         self.in_flight -= 1
+        IN_FLIGHT.dec()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -11,7 +12,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway import metrics
 from gateway.access import Admission, ApiKeys
 from gateway.backends import Backends
 from gateway.chat import generate, prepare
@@ -22,7 +25,7 @@ from gateway.settings import GatewaySettings
 from shared.errors import ServiceError, TooLarge
 
 logger = logging.getLogger(__name__)
-OPEN_PATHS = ("/health", "/livez", "/readyz", "/docs", "/openapi.json")
+OPEN_PATHS = ("/health", "/livez", "/readyz", "/metrics", "/docs", "/openapi.json")
 
 
 async def _primed(chunks: IndexedChunks) -> IndexedChunks:
@@ -51,6 +54,7 @@ def _install_middleware(app: FastAPI, settings: GatewaySettings, api_keys: ApiKe
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         request.state.request_id = request_id
         length = request.headers.get("content-length")
+        started = time.perf_counter()
         try:
             if not request.url.path.startswith(OPEN_PATHS):
                 api_keys.check(request.headers.get("authorization"))
@@ -59,6 +63,10 @@ def _install_middleware(app: FastAPI, settings: GatewaySettings, api_keys: ApiKe
             response = await call_next(request)
         except ServiceError as error:
             response = error_response(error)
+        route = request.scope.get("route")
+        route_path = getattr(route, "path", "unmatched")
+        metrics.HTTP_SECONDS.labels(route_path).observe(time.perf_counter() - started)
+        metrics.HTTP_REQUESTS.labels(route_path, str(response.status_code)).inc()
         response.headers["x-request-id"] = request_id
         return response
 
@@ -85,7 +93,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         admission.enter()
         streaming = False
         try:
-            chat = await prepare(body, backends, settings)
+            chat = await prepare(body, backends, settings, request.state.request_id)
             completion_id = f"chatcmpl-{uuid.uuid4().hex}"
             chunks = generate(body, chat, backends, request.state.request_id)
             if not body.stream:
@@ -107,12 +115,18 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def encode_image(body: EncodeImageRequest, request: Request) -> EncodeImageResponse:
         """Encodes an image once (or finds it stored) and returns the key to reference it by."""
         encoder = request.app.state.backends.encoder
-        result = await encoder.encode(image_url=body.image_url, min_pixels=body.min_pixels, max_pixels=body.max_pixels)
+        result = await encoder.encode(
+            image_url=body.image_url, min_pixels=body.min_pixels, max_pixels=body.max_pixels, request_id=request.state.request_id
+        )
         blob = await encoder.get_embedding(result.key) if body.return_embeddings else None
         return EncodeImageResponse(
             key=result.key, grid_thw=result.grid_thw, num_tokens=result.num_tokens, encoder_id=result.encoder_id,
             cache_hit=result.cache_hit, embeddings=base64.b64encode(blob).decode() if blob is not None else None,
         )  # fmt: skip
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/livez")
     async def livez() -> dict[str, str]:

@@ -15,10 +15,11 @@ from shared.sdk import AsyncEncoderClient, AsyncLLMClient, ModelInfo
 
 class Backends:
     def __init__(self, settings: GatewaySettings) -> None:
-        timeout, size = settings.request_timeout_s, settings.grpc_max_message_bytes
-        self.encoder = AsyncEncoderClient(settings.encoder_target, timeout, size)
+        timeout, config = settings.request_timeout_s, settings.channel_config()
+        self._health_config = config
+        self.encoder = AsyncEncoderClient(settings.encoder_target, timeout, config)
         self._models: dict[str, list[AsyncLLMClient]] = {
-            name: [AsyncLLMClient(target, timeout, size) for target in targets]
+            name: [AsyncLLMClient(target, timeout, config) for target in targets]
             for name, targets in settings.models.items()
         }
         self._rotations: dict[str, Iterator[AsyncLLMClient]] = {
@@ -48,14 +49,14 @@ class Backends:
     async def health(self) -> dict[str, bool]:
         """SERVING state of every backend, by target."""
         targets = {self.encoder.target, *(c.target for clients in self._models.values() for c in clients)}
-        return {target: await _is_serving(target) for target in sorted(targets)}
+        return {target: await self._is_serving(target) for target in sorted(targets)}
 
     async def ready(self) -> bool:
         """The encoder, and at least one service of every model, report SERVING."""
-        if not await _is_serving(self.encoder.target):
+        if not await self._is_serving(self.encoder.target):
             return False
         for clients in self._models.values():
-            states = [await _is_serving(client.target) for client in clients]
+            states = [await self._is_serving(client.target) for client in clients]
             if not any(states):
                 return False
         return True
@@ -66,11 +67,10 @@ class Backends:
             for client in clients:
                 await client.close()
 
-
-async def _is_serving(target: str) -> bool:
-    async with grpc.aio.insecure_channel(target) as channel:
-        try:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+    async def _is_serving(self, target: str) -> bool:
+        async with self._health_config.open(target, aio=True) as channel:
+            try:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            except grpc.RpcError:
+                return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING

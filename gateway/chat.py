@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from gateway import metrics
 from gateway.backends import Backends
 from gateway.inline_embeds import inline_blob
 from gateway.schemas import ChatCompletionRequest, ImageEmbedsPart, ImageUrlPart
@@ -46,10 +48,10 @@ def _image_parts(request: ChatCompletionRequest) -> list[tuple[str, ImageUrlPart
     ]
 
 
-async def _encode_urls(request: ChatCompletionRequest, backends: Backends) -> dict[str, str]:
+async def _encode_urls(request: ChatCompletionRequest, backends: Backends, request_id: str) -> dict[str, str]:
     """URL -> key, each distinct URL encoded once, concurrently."""
     urls = list(dict.fromkeys(p.image_url.url for _, p in _image_parts(request) if isinstance(p, ImageUrlPart)))
-    encoded = await asyncio.gather(*(backends.encoder.encode(image_url=url) for url in urls))
+    encoded = await asyncio.gather(*(backends.encoder.encode(image_url=url, request_id=request_id) for url in urls))
     return {url: result.key for url, result in zip(urls, encoded, strict=True)}
 
 
@@ -61,12 +63,14 @@ async def _inline(part: ImageEmbedsPart, param: str, request: ChatCompletionRequ
     return InlineEmbedding(inline_blob(part.image_embeds, part.image_grid_thw, encoder_ids[0], param))
 
 
-async def prepare(request: ChatCompletionRequest, backends: Backends, settings: GatewaySettings) -> PreparedChat:
+async def prepare(
+    request: ChatCompletionRequest, backends: Backends, settings: GatewaySettings, request_id: str
+) -> PreparedChat:
     """Turns every image part into a stored key or an inline blob, in order."""
     images = _image_parts(request)
     if len(images) > settings.max_images_per_request:
         raise InvalidInput(f"{len(images)} images in one request; the limit is {settings.max_images_per_request}", param="messages")
-    key_of = await _encode_urls(request, backends)
+    key_of = await _encode_urls(request, backends, request_id)
     messages = []
     for i, message in enumerate(request.messages):
         if isinstance(message.content, str):
@@ -91,6 +95,7 @@ async def _one_choice(
 ) -> AsyncIterator[GenerationChunk]:
     """One choice's chunks. A missing key we can re-encode is re-encoded and retried once."""
     llm = backends.llm_for(request.model)
+    started = time.perf_counter()
     stream = llm.generate(request.model, chat.messages, sampling, request_id)
     try:
         first = await anext(stream)
@@ -98,11 +103,14 @@ async def _one_choice(
         lost = [key for key in error.keys if key in chat.sources]
         if not lost or len(lost) != len(error.keys):
             raise
-        await asyncio.gather(*(backends.encoder.encode(image_url=chat.sources[key]) for key in lost))
+        await asyncio.gather(*(backends.encoder.encode(image_url=chat.sources[key], request_id=request_id) for key in lost))
         stream = llm.generate(request.model, chat.messages, sampling, request_id)
         first = await anext(stream)
+    metrics.TTFT_SECONDS.labels(request.model).observe(time.perf_counter() - started)
     yield first
     async for chunk in stream:
+        if chunk.finish_reason is not None:
+            metrics.TOKENS.labels(request.model).inc(chunk.completion_tokens)
         yield chunk
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.sdk import ChannelConfig
 from shared.settings import DEFAULT_GRPC_MAX_MESSAGE_BYTES
 
 
@@ -27,4 +30,11 @@ class GatewaySettings(BaseSettings):
     )
     allow_inline_embeds: bool = Field(False, description="Accept inline image_embeds tensors (stored keys are always accepted).")
     max_concurrent_requests: int = Field(256, gt=0, description="Chat completions in flight before new ones get 429.")
+    grpc_token: str | None = Field(None, description="Shared token sent to the gRPC services (their *_GRPC_TOKEN).")
+    grpc_tls_ca_file: str | None = Field(None, description="PEM roots to verify the services' TLS certificates; unset = plaintext gRPC.")
+    json_logs: bool = Field(True, description="Structured JSON log lines (with the request id) instead of plain text.")
     log_level: str = Field("INFO", description="Python logging level.")
+
+    def channel_config(self) -> ChannelConfig:
+        roots = Path(self.grpc_tls_ca_file).read_bytes() if self.grpc_tls_ca_file else None
+        return ChannelConfig(self.grpc_max_message_bytes, self.grpc_token, roots)

@@ -92,12 +92,17 @@ def wait_healthy(base_url: str, timeout_s: float) -> None:
 
 def start(args: argparse.Namespace, stack: ExitStack, ports: dict[str, int]) -> str:
     ensure_redis(args.redis_url, stack)
-    common = {"ENCODER_REDIS_URL": args.redis_url, "LLM_REDIS_URL": args.redis_url}
-    launch("encoder_service", {**common, "ENCODER_CHECKPOINT": args.encoder_checkpoint, "ENCODER_PORT": str(ports["encoder"])}, stack)
+    common = {"ENCODER_REDIS_URL": args.redis_url, "LLM_REDIS_URL": args.redis_url, "ENCODER_JSON_LOGS": "false",
+              "LLM_JSON_LOGS": "false", "GATEWAY_JSON_LOGS": "false"}
+    encoder_env = {"ENCODER_CHECKPOINT": args.encoder_checkpoint, "ENCODER_PORT": str(ports["encoder"]),
+                   "ENCODER_METRICS_PORT": str(ports["metrics"])}
+    launch("encoder_service", {**common, **encoder_env}, stack)
     routes = {}
     for index, (name, checkpoint) in enumerate(args.models.items()):
         port = ports["llm"] + index if ports["llm"] else free_port()
-        launch("llm_service", {**common, "LLM_CHECKPOINT": checkpoint, "LLM_MODEL_NAME": name, "LLM_PORT": str(port)}, stack)
+        metrics_port = ports["metrics"] + 1 + index if ports["metrics"] else 0
+        llm_env = {"LLM_CHECKPOINT": checkpoint, "LLM_MODEL_NAME": name, "LLM_PORT": str(port), "LLM_METRICS_PORT": str(metrics_port)}
+        launch("llm_service", {**common, **llm_env}, stack)
         routes[name] = [f"127.0.0.1:{port}"]
     gateway_env = {"GATEWAY_PORT": str(ports["gateway"]), "GATEWAY_ENCODER_TARGET": f"127.0.0.1:{ports['encoder']}",
                    "GATEWAY_MODELS": json.dumps(routes)}
@@ -128,14 +133,14 @@ def main() -> None:
     args = parse_args()
     with ExitStack() as stack:
         if args.command == "serve":
-            ports = {"encoder": 50051, "llm": 50061, "gateway": int(os.environ.get("GATEWAY_PORT", "8000"))}
+            ports = {"encoder": 50051, "llm": 50061, "gateway": int(os.environ.get("GATEWAY_PORT", "8000")), "metrics": 9090}
             base_url = start(args, stack, ports)
             print(f"serving: {base_url}/v1 (models: {', '.join(args.models)}); Ctrl-C stops", flush=True)
             # Blocked only now, so the children did not inherit the mask.
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
             signal.sigwait({signal.SIGINT, signal.SIGTERM})
             return
-        ports = {"encoder": free_port(), "llm": 0, "gateway": free_port()}
+        ports = {"encoder": free_port(), "llm": 0, "gateway": free_port(), "metrics": 0}
         base_url = start(args, stack, ports)
         report = run_fanout(base_url, f"127.0.0.1:{ports['encoder']}", demo_image(), list(args.models))
         for answer in report.answers:

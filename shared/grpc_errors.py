@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from shared.errors import EmbeddingNotFound, Internal, ServiceError, Unavailable, error_class_for
+from shared.grpc_wrap import rewrap
 
 logger = logging.getLogger(__name__)
 
@@ -81,18 +82,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        serializers = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary), **serializers)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream), **serializers)
-        return handler
+        return rewrap(await continuation(handler_call_details), _wrap_unary, _wrap_stream)
 
 
 def _metadata_value(metadata: Any, key: str) -> str | None:

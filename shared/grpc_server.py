@@ -7,12 +7,16 @@ import logging
 import signal
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from shared.grpc_auth import TokenAuthInterceptor
 from shared.grpc_errors import ErrorMappingInterceptor
+from shared.grpc_metrics import MetricsInterceptor
+from shared.request_context import RequestContextInterceptor
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +26,31 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ]
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """Optional shared token and TLS key pair (PEM bytes) of a gRPC server."""
+
+    token: str | None = None
+    tls_key_pair: tuple[bytes, bytes] | None = None  # (private key, certificate chain)
+
+    @classmethod
+    def from_files(cls, token: str | None, cert_file: str | None, key_file: str | None) -> ServerSecurity:
+        if (cert_file is None) != (key_file is None):
+            raise ValueError("set both grpc_tls_cert_file and grpc_tls_key_file, or neither")
+        pair = (Path(key_file).read_bytes(), Path(cert_file).read_bytes()) if cert_file and key_file else None
+        return cls(token or None, pair)
+
+    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        """Outermost first: refuse strangers, then name the request, time it, map its errors."""
+        auth = [TokenAuthInterceptor(self.token)] if self.token else []
+        return [*auth, RequestContextInterceptor(), MetricsInterceptor(), ErrorMappingInterceptor()]
+
+    def bind(self, server: grpc.aio.Server, address: str) -> int:
+        if self.tls_key_pair is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, grpc.ssl_server_credentials([self.tls_key_pair]))
 
 
 @dataclass
@@ -47,15 +76,16 @@ async def start_server(
     service_names: Iterable[str],
     address: str,
     max_message_bytes: int,
+    security: ServerSecurity = ServerSecurity(),
 ) -> RunningServer:
     """Starts a server with the given servicers; health stays NOT_SERVING until `set_serving(True)`."""
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=grpc_options(max_message_bytes))
+    server = grpc.aio.server(interceptors=security.interceptors(), options=grpc_options(max_message_bytes))
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = tuple(service_names)
     reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
+    port = security.bind(server, address)
     if port == 0:
         raise RuntimeError(f"could not bind gRPC server to {address}")
     await server.start()

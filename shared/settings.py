@@ -6,6 +6,7 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import BaseSettings
 
+from shared.grpc_server import ServerSecurity
 from shared.store import StoreConfig
 
 # gRPC refuses messages over 4 MB unless both ends raise the limit; embedding
@@ -35,3 +36,11 @@ class GrpcServerSettings(BaseSettings):
     grace_s: float = Field(10.0, ge=0, description="Seconds in-flight RPCs get to finish on SIGTERM.")
     grpc_max_message_bytes: int = Field(DEFAULT_GRPC_MAX_MESSAGE_BYTES, gt=0, description="Largest gRPC message accepted or sent.")
     log_level: str = Field("INFO", description="Python logging level.")
+    json_logs: bool = Field(True, description="Structured JSON log lines (with the request id) instead of plain text.")
+    metrics_port: int = Field(9090, ge=0, le=65535, description="HTTP port of Prometheus /metrics; 0 turns it off.")
+    grpc_token: str | None = Field(None, description="Shared token callers must send as `authorization: Bearer`; unset = open.")
+    grpc_tls_cert_file: str | None = Field(None, description="PEM certificate: serve gRPC over TLS (with grpc_tls_key_file).")
+    grpc_tls_key_file: str | None = Field(None, description="PEM private key of grpc_tls_cert_file.")
+
+    def server_security(self) -> ServerSecurity:
+        return ServerSecurity.from_files(self.grpc_token, self.grpc_tls_cert_file, self.grpc_tls_key_file)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import redis.asyncio as aioredis
+from prometheus_client import Counter
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
@@ -23,6 +24,7 @@ from redis.asyncio.retry import Retry
 from shared.errors import TooLarge, Unavailable
 
 T = TypeVar("T")
+REDIS_ERRORS = Counter("redis_errors_total", "Redis operations that failed (after retries), by error type.", ["error"])
 # Redis refuses values over 512 MB; we say so before sending them.
 REDIS_MAX_VALUE_BYTES = 512 * 1024 * 1024
 
@@ -56,6 +58,7 @@ class EmbeddingStore:
             async with asyncio.timeout(self.config.op_timeout_s):
                 return await operation
         except (RedisError, OSError, TimeoutError) as error:
+            REDIS_ERRORS.labels(type(error).__name__).inc()
             raise Unavailable(f"embedding store (Redis) is unavailable: {type(error).__name__}") from error
 
     async def get_many(self, keys: list[str]) -> list[bytes | None]:

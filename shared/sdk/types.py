@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+import grpc
+
 from shared.pb.encoder.v1 import encoder_pb2
 from shared.pb.llm.v1 import llm_pb2
+from shared.settings import DEFAULT_GRPC_MAX_MESSAGE_BYTES
 
 _FINISH_NAMES = {llm_pb2.FINISH_REASON_STOP: "stop", llm_pb2.FINISH_REASON_LENGTH: "length"}
 # Idempotent RPCs are retried by gRPC itself on UNAVAILABLE; Generate never is
@@ -30,6 +33,23 @@ RETRY_SERVICE_CONFIG = json.dumps(
         ]
     }
 )
+
+
+@dataclass(frozen=True)
+class ChannelConfig:
+    """How a client reaches a service: message size cap, shared token, TLS roots (PEM)."""
+
+    max_message_bytes: int = DEFAULT_GRPC_MAX_MESSAGE_BYTES
+    token: str | None = None
+    tls_root_certs: bytes | None = None
+
+    def open(self, target: str, *, aio: bool) -> grpc.Channel | grpc.aio.Channel:
+        options = channel_options(self.max_message_bytes)
+        module = grpc.aio if aio else grpc
+        if self.tls_root_certs is None:
+            return module.insecure_channel(target, options=options)
+        credentials = grpc.ssl_channel_credentials(root_certificates=self.tls_root_certs)
+        return module.secure_channel(target, credentials, options=options)
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, object]]:

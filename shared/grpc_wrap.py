@@ -1,0 +1,28 @@
+"""Re-wrapping a gRPC method handler's behaviour, for server interceptors that act
+around each call (error mapping, request context, metrics)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+StreamBehavior = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+
+
+def rewrap(
+    handler: grpc.RpcMethodHandler | None,
+    wrap_unary: Callable[[UnaryBehavior], UnaryBehavior],
+    wrap_stream: Callable[[StreamBehavior], StreamBehavior],
+) -> grpc.RpcMethodHandler | None:
+    """The same handler with its unary-unary or unary-stream behaviour wrapped; others as they are."""
+    if handler is None:
+        return None
+    serializers = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), **serializers)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(wrap_stream(handler.unary_stream), **serializers)
+    return handler

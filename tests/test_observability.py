@@ -1,0 +1,68 @@
+"""Prometheus metrics on all three services, JSON logs, and the request id carried
+from the gateway through gRPC metadata into the services' log lines."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+
+import httpx
+from openai import OpenAI
+
+from shared.grpc_metrics import serve_metrics
+from shared.request_context import JsonFormatter
+from tests.harness import Stack, free_port
+from tests.images import data_url, png_bytes
+
+
+def _sample(metrics_text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text format (0 when absent)."""
+    for line in metrics_text.splitlines():
+        series, _, value = line.rpartition(" ")
+        metric, _, label_text = series.partition("{")
+        found = dict(re.findall(r'(\w+)="([^"]*)"', label_text))
+        if metric == name and found == labels:
+            return float(value)
+    return 0.0
+
+
+def test_metrics_count_requests_encodes_and_rpcs(stack: Stack, openai_client: OpenAI) -> None:
+    before = httpx.get(f"{stack.base_url}/metrics").text
+    openai_client.chat.completions.create(
+        model="ft-a", max_tokens=3, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png_bytes(401))}}]}]
+    )
+    after = httpx.get(f"{stack.base_url}/metrics").text
+    route = {"route": "/v1/chat/completions", "status": "200"}
+    assert _sample(after, "gateway_http_requests_total", **route) == _sample(before, "gateway_http_requests_total", **route) + 1
+    assert _sample(after, "encoder_images_encoded_total") == _sample(before, "encoder_images_encoded_total") + 1
+    generate = {"grpc_method": "/llm.v1.LLMService/Generate", "grpc_code": "OK"}
+    assert _sample(after, "grpc_server_handled_total", **generate) >= _sample(before, "grpc_server_handled_total", **generate) + 1
+    assert _sample(after, "gateway_ttft_seconds_count", model="ft-a") >= 1
+    assert _sample(after, "gateway_completion_tokens_total", model="ft-a") >= 3
+
+
+def test_services_serve_metrics_over_http() -> None:
+    port = free_port()
+    serve_metrics(port)
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    assert "grpc_server_handled_total" in text and "redis_errors_total" in text
+
+
+def test_request_id_reaches_the_encoder_log_as_json(stack: Stack) -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter("test"))
+    logger = logging.getLogger("encoder_service")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        response = httpx.post(f"{stack.base_url}/v1/images/encode", json={"image_url": data_url(png_bytes(402))},
+                              headers={"x-request-id": "rid-observability-1"})  # fmt: skip
+    finally:
+        logger.removeHandler(handler)
+    assert response.status_code == 200 and response.headers["x-request-id"] == "rid-observability-1"
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    encoded = [line for line in lines if line["message"].startswith("encoded ")]
+    assert encoded and encoded[0]["request_id"] == "rid-observability-1" and encoded[0]["level"] == "INFO"
