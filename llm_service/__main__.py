@@ -7,12 +7,15 @@ import logging
 
 from llm_service.server import start_llm_server
 from llm_service.settings import LLMSettings
+from shared.grpc_metrics import serve_metrics
 from shared.grpc_server import serve_until_signal
+from shared.request_context import configure_logging
 
 
 async def main() -> None:
     settings = LLMSettings()
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s llm %(name)s: %(message)s")
+    configure_logging("llm", settings.log_level, settings.json_logs)
+    serve_metrics(settings.metrics_port)
     server = await start_llm_server(settings)
     logging.getLogger(__name__).info("model %s ready on port %d", settings.model_name, server.port)
     await serve_until_signal(server.running, settings.grace_s)

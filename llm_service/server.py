@@ -60,7 +60,7 @@ async def start_llm_server(settings: LLMSettings, core: LLMCore | None = None) -
         llm_pb2_grpc.add_LLMServiceServicer_to_server(LLMServicer(core, limits, settings.engine), server)
 
     running = await start_server(
-        register, [SERVICE_NAME], f"{settings.host}:{settings.port}", settings.grpc_max_message_bytes
+        register, [SERVICE_NAME], f"{settings.host}:{settings.port}", settings.grpc_max_message_bytes, settings.server_security()
     )
     await running.set_serving(True)
     return LLMServer(running, core)
