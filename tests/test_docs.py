@@ -14,7 +14,7 @@ README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 def _documented(prefix: str, name: str) -> bool:
     if name in ("host", "port"):
         return f"`{prefix}HOST` / `{prefix}PORT`" in README
-    return f"`{prefix}{name.upper()}`" in README or f"`*_{name.upper()}`" in README
+    return any(f"`{p}{name.upper()}`" in README for p in (prefix, "*_"))
 
 
 def test_readme_names_every_setting() -> None:
