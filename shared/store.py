@@ -19,9 +19,12 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 
 from shared.errors import TooLarge, Unavailable
+from shared.redis_urls import RedisTarget, parse_redis_url
 
 T = TypeVar("T")
 REDIS_ERRORS = Counter("redis_errors_total", "Redis operations that failed (after retries), by error type.", ["error"])
@@ -44,14 +47,8 @@ class EmbeddingStore:
 
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
-        retry = Retry(ExponentialBackoff(cap=0.1, base=0.02), config.retries)
-        self._redis = aioredis.Redis.from_url(
-            config.url,
-            socket_timeout=config.socket_timeout_s,
-            socket_connect_timeout=config.socket_timeout_s,
-            retry=retry,
-            retry_on_error=[RedisConnectionError, RedisTimeoutError],
-        )
+        self.target = parse_redis_url(config.url)
+        self._redis = _connect(self.target, config)
 
     async def _call(self, operation: Awaitable[T]) -> T:
         try:
@@ -62,9 +59,11 @@ class EmbeddingStore:
             raise Unavailable(f"embedding store (Redis) is unavailable: {type(error).__name__}") from error
 
     async def get_many(self, keys: list[str]) -> list[bytes | None]:
-        """Blobs for several keys in one round trip (MGET); None where a key is missing."""
+        """Blobs for several keys in one round trip (per cluster slot); None where a key is missing."""
         if not keys:
             return []
+        if self.target.topology == "cluster":  # one MGET per hash slot, as a cluster requires
+            return await self._call(self._redis.mget_nonatomic(keys))
         return await self._call(self._redis.mget(keys))
 
     async def get_and_touch(self, key: str) -> bytes | None:
@@ -89,3 +88,19 @@ class EmbeddingStore:
 
     async def aclose(self) -> None:
         await self._redis.aclose()
+
+
+def _connect(target: RedisTarget, config: StoreConfig) -> aioredis.Redis | RedisCluster:
+    common = {
+        "socket_timeout": config.socket_timeout_s,
+        "socket_connect_timeout": config.socket_timeout_s,
+        "retry": Retry(ExponentialBackoff(cap=0.1, base=0.02), config.retries),
+    }
+    if target.topology == "single":
+        return aioredis.Redis.from_url(target.url, retry_on_error=[RedisConnectionError, RedisTimeoutError], **common)
+    credentials = {"username": target.username, "password": target.password}
+    if target.topology == "cluster":
+        nodes = [ClusterNode(host, port) for host, port in target.nodes]
+        return RedisCluster(startup_nodes=nodes, ssl=target.tls, **credentials, **common)
+    sentinel = Sentinel(list(target.nodes), socket_timeout=config.socket_timeout_s)
+    return sentinel.master_for(target.service_name, db=target.db, **credentials, **common)
