@@ -104,7 +104,9 @@ class EncoderCore:
         else:
             data = await fetch_image(source.url, self.limits.fetch)
         if len(data) > self.limits.max_image_bytes:
-            raise TooLarge(f"image is {len(data)} bytes, over the limit of {self.limits.max_image_bytes}", param="image")
+            raise TooLarge(
+                f"image is {len(data)} bytes, over the limit of {self.limits.max_image_bytes}", param="image"
+            )
         return data
 
     def _pixel_bounds(self, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -113,7 +115,9 @@ class EncoderCore:
         if min_pixels < 0 or max_pixels < 0:
             raise InvalidInput("min_pixels and max_pixels must not be negative", param="min_pixels")
         if max_px > self.limits.max_pixels_limit:
-            raise InvalidInput(f"max_pixels {max_px} exceeds the limit of {self.limits.max_pixels_limit}", param="max_pixels")
+            raise InvalidInput(
+                f"max_pixels {max_px} exceeds the limit of {self.limits.max_pixels_limit}", param="max_pixels"
+            )
         if min_px > max_px:
             raise InvalidInput(f"min_pixels {min_px} is greater than max_pixels {max_px}", param="min_pixels")
         return min_px, max_px

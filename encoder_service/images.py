@@ -23,7 +23,9 @@ def decode_data_url(url: str, max_bytes: int, param: str = "image_url") -> bytes
     """The bytes of a `data:image/...;base64,...` URL."""
     match = _DATA_URL.match(url)
     if match is None:
-        raise InvalidInput(f"data URL must look like data:image/<type>;base64,<data> (got {clip(url, 40)!r})", param=param)
+        raise InvalidInput(
+            f"data URL must look like data:image/<type>;base64,<data> (got {clip(url, 40)!r})", param=param
+        )
     payload = url[match.end() :]
     if len(payload) > (max_bytes * 4) // 3 + 4:
         raise TooLarge(f"image in data URL exceeds {max_bytes} bytes", param=param)
@@ -53,7 +55,9 @@ def load_image(data: bytes, max_decoded_pixels: int, param: str = "image") -> Im
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise InvalidInput("image is a decompression bomb", param=param) from None
     except (OSError, SyntaxError, ValueError) as error:
-        raise InvalidInput(f"image could not be decoded (truncated or corrupt): {clip(str(error), 80)}", param=param) from None
+        raise InvalidInput(
+            f"image could not be decoded (truncated or corrupt): {clip(str(error), 80)}", param=param
+        ) from None
     if image.width < 1 or image.height < 1:
         raise InvalidInput("image has no pixels", param=param)
     return image.convert("RGB")

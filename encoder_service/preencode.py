@@ -105,7 +105,12 @@ def _error_record(source: str, code: str, message: str) -> dict[str, Any]:
 
 
 def _success_record(source: str, image: EncodedImage) -> dict[str, Any]:
-    fields = {"key": image.key, "grid_thw": image.grid_thw, "num_tokens": image.num_tokens, "cache_hit": image.cache_hit}
+    fields = {
+        "key": image.key,
+        "grid_thw": image.grid_thw,
+        "num_tokens": image.num_tokens,
+        "cache_hit": image.cache_hit,
+    }
     return {"source": source, **fields}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import grpc
 import torch
 
@@ -14,8 +15,8 @@ from encoder_service.servicer import EncoderServicer
 from encoder_service.settings import EncoderSettings
 from encoder_service.vision import VisionEncoder
 from shared.checkpoints import compute_encoder_id
-from shared.model_paths import resolve_checkpoint
 from shared.grpc_server import RunningServer, start_server
+from shared.model_paths import resolve_checkpoint
 from shared.pb.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from shared.store import EmbeddingStore
 
@@ -65,7 +66,11 @@ async def start_encoder_server(settings: EncoderSettings, core: EncoderCore | No
         encoder_pb2_grpc.add_EncoderServiceServicer_to_server(EncoderServicer(core), server)
 
     running = await start_server(
-        register, [SERVICE_NAME], f"{settings.host}:{settings.port}", settings.grpc_max_message_bytes, settings.server_security()
+        register,
+        [SERVICE_NAME],
+        f"{settings.host}:{settings.port}",
+        settings.grpc_max_message_bytes,
+        settings.server_security(),
     )
     await running.set_serving(True)
     return EncoderServer(running, core)

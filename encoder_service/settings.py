@@ -14,13 +14,23 @@ class EncoderSettings(StoreSettings, GrpcServerSettings):
     model_config = SettingsConfigDict(env_prefix="ENCODER_", extra="ignore")
 
     checkpoint: str = Field(..., description="Qwen2-VL checkpoint dir (or hub id) whose vision tower encodes images.")
-    encoder_id: str | None = Field(None, description="Override of the id derived from the vision weights and processor config.")
+    encoder_id: str | None = Field(
+        None, description="Override of the id derived from the vision weights and processor config."
+    )
     device: str = Field("cpu", description="torch device for the vision tower (cpu, cuda, cuda:1).")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Vision tower dtype; stored blobs keep it.")
-    max_image_bytes: int = Field(20 * 1024 * 1024, gt=0, description="Largest image file accepted (bytes or fetched URL).")
-    max_decoded_pixels: int = Field(64_000_000, gt=0, description="Largest width*height decoded; refuses decompression bombs.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Vision tower dtype; stored blobs keep it."
+    )
+    max_image_bytes: int = Field(
+        20 * 1024 * 1024, gt=0, description="Largest image file accepted (bytes or fetched URL)."
+    )
+    max_decoded_pixels: int = Field(
+        64_000_000, gt=0, description="Largest width*height decoded; refuses decompression bombs."
+    )
     max_pixels_limit: int = Field(16_777_216, gt=0, description="Highest max_pixels a request may ask for.")
     fetch_timeout_s: float = Field(10.0, gt=0, description="Timeout for fetching an http(s) image URL.")
-    allow_private_urls: bool = Field(False, description="Allow fetching from private, loopback and link-local addresses.")
+    allow_private_urls: bool = Field(
+        False, description="Allow fetching from private, loopback and link-local addresses."
+    )
     max_batch_size: int = Field(8, ge=1, description="Most images in one vision-tower forward pass.")
     batch_wait_ms: float = Field(5.0, ge=0, description="How long the first image of a batch waits for others.")

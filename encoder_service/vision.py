@@ -99,9 +99,7 @@ class VisionEncoder:
         high = self.default_max_pixels if max_pixels is None else max_pixels
         if low <= 0 or high < low:
             raise ValueError(f"need 0 < min_pixels <= max_pixels, got min_pixels={low}, max_pixels={high}")
-        out = self.processor(
-            images=[image], size={"shortest_edge": low, "longest_edge": high}, return_tensors="pt"
-        )
+        out = self.processor(images=[image], size={"shortest_edge": low, "longest_edge": high}, return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"].to(torch.int64)
 
     def rows_for(self, grid_thw: torch.Tensor) -> int:

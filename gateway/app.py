@@ -87,7 +87,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict[str, Any] | StreamingResponse:
         """OpenAI chat completions; image parts are encoded once and shared by every model."""
         if body.model_extra:
-            logger.info("ignoring unsupported fields %s (request %s)", sorted(body.model_extra), request.state.request_id)
+            logger.info(
+                "ignoring unsupported fields %s (request %s)", sorted(body.model_extra), request.state.request_id
+            )
         backends: Backends = request.app.state.backends
         backends.llm_for(body.model)  # unknown model: 404 before any image is encoded
         admission.enter()
@@ -109,14 +111,20 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
         names = request.app.state.backends.model_names
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "vlm-encode-once"} for n in names]}
+        return {
+            "object": "list",
+            "data": [{"id": n, "object": "model", "created": 0, "owned_by": "vlm-encode-once"} for n in names],
+        }
 
     @app.post("/v1/images/encode")
     async def encode_image(body: EncodeImageRequest, request: Request) -> EncodeImageResponse:
         """Encodes an image once (or finds it stored) and returns the key to reference it by."""
         encoder = request.app.state.backends.encoder
         result = await encoder.encode(
-            image_url=body.image_url, min_pixels=body.min_pixels, max_pixels=body.max_pixels, request_id=request.state.request_id
+            image_url=body.image_url,
+            min_pixels=body.min_pixels,
+            max_pixels=body.max_pixels,
+            request_id=request.state.request_id,
         )
         blob = await encoder.get_embedding(result.key) if body.return_embeddings else None
         return EncodeImageResponse(
@@ -135,7 +143,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz(request: Request) -> JSONResponse:
-        """Readiness: the encoder and at least one service per model are SERVING."""
+        """Readiness: the encoder is SERVING (see Backends.ready)."""
         backends: Backends = request.app.state.backends
         ready = await backends.ready()
         return JSONResponse({"status": "ok" if ready else "not ready"}, status_code=200 if ready else 503)
@@ -145,6 +153,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         """200 when every backend reports SERVING, else 503 with each backend's state."""
         backends = await request.app.state.backends.health()
         ok = all(backends.values())
-        return JSONResponse({"status": "ok" if ok else "degraded", "backends": backends}, status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": "ok" if ok else "degraded", "backends": backends}, status_code=200 if ok else 503
+        )
 
     return app

@@ -52,14 +52,9 @@ class Backends:
         return {target: await self._is_serving(target) for target in sorted(targets)}
 
     async def ready(self) -> bool:
-        """The encoder, and at least one service of every model, report SERVING."""
-        if not await self._is_serving(self.encoder.target):
-            return False
-        for clients in self._models.values():
-            states = [await self._is_serving(client.target) for client in clients]
-            if not any(states):
-                return False
-        return True
+        """The encoder reports SERVING. A model with no live service is left out of readiness:
+        it answers 503 on its own, and must not take the gateway (and every other model) down."""
+        return await self._is_serving(self.encoder.target)
 
     async def close(self) -> None:
         await self.encoder.close()

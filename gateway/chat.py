@@ -55,9 +55,13 @@ async def _encode_urls(request: ChatCompletionRequest, backends: Backends, reque
     return {url: result.key for url, result in zip(urls, encoded, strict=True)}
 
 
-async def _inline(part: ImageEmbedsPart, param: str, request: ChatCompletionRequest, backends: Backends, settings: GatewaySettings) -> InlineEmbedding:
+async def _inline(
+    part: ImageEmbedsPart, param: str, request: ChatCompletionRequest, backends: Backends, settings: GatewaySettings
+) -> InlineEmbedding:
     if not settings.allow_inline_embeds:
-        raise InvalidInput("inline image_embeds are disabled on this gateway; reference a stored key with uuid", param=param)
+        raise InvalidInput(
+            "inline image_embeds are disabled on this gateway; reference a stored key with uuid", param=param
+        )
     encoder_ids = (await backends.model_info(request.model)).accepted_encoder_ids
     assert part.image_embeds is not None and part.image_grid_thw is not None  # checked by the schema
     return InlineEmbedding(inline_blob(part.image_embeds, part.image_grid_thw, encoder_ids[0], param))
@@ -69,7 +73,9 @@ async def prepare(
     """Turns every image part into a stored key or an inline blob, in order."""
     images = _image_parts(request)
     if len(images) > settings.max_images_per_request:
-        raise InvalidInput(f"{len(images)} images in one request; the limit is {settings.max_images_per_request}", param="messages")
+        raise InvalidInput(
+            f"{len(images)} images in one request; the limit is {settings.max_images_per_request}", param="messages"
+        )
     key_of = await _encode_urls(request, backends, request_id)
     messages = []
     for i, message in enumerate(request.messages):
@@ -103,7 +109,9 @@ async def _one_choice(
         lost = [key for key in error.keys if key in chat.sources]
         if not lost or len(lost) != len(error.keys):
             raise
-        await asyncio.gather(*(backends.encoder.encode(image_url=chat.sources[key], request_id=request_id) for key in lost))
+        await asyncio.gather(
+            *(backends.encoder.encode(image_url=chat.sources[key], request_id=request_id) for key in lost)
+        )
         stream = llm.generate(request.model, chat.messages, sampling, request_id)
         first = await anext(stream)
     metrics.TTFT_SECONDS.labels(request.model).observe(time.perf_counter() - started)

@@ -49,7 +49,9 @@ def _from_safetensors(raw: bytes, param: str) -> torch.Tensor:
     if "image_embeds" in tensors:
         return tensors["image_embeds"]
     if len(tensors) != 1:
-        raise InvalidInput("image_embeds safetensors payload must hold one tensor (or one named image_embeds)", param=param)
+        raise InvalidInput(
+            "image_embeds safetensors payload must hold one tensor (or one named image_embeds)", param=param
+        )
     return next(iter(tensors.values()))
 
 
@@ -64,7 +66,9 @@ def decode_inline_tensor(encoded: str, param: str) -> torch.Tensor:
     if _looks_like_safetensors(raw):
         return _from_safetensors(raw, param)
     if raw[:2] == b"PK" or raw[:1] == b"\x80":
-        raise InvalidInput(f"image_embeds looks like a torch.save/pickle payload, which is never loaded; {SAFE_FORMATS}", param=param)
+        raise InvalidInput(
+            f"image_embeds looks like a torch.save/pickle payload, which is never loaded; {SAFE_FORMATS}", param=param
+        )
     raise InvalidInput(f"image_embeds format not recognized; {SAFE_FORMATS}", param=param)
 
 

@@ -6,11 +6,18 @@ from prometheus_client import Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
-HTTP_REQUESTS = Counter("gateway_http_requests_total", "HTTP requests answered, by route and status.", ["route", "status"])
+HTTP_REQUESTS = Counter(
+    "gateway_http_requests_total", "HTTP requests answered, by route and status.", ["route", "status"]
+)
 HTTP_SECONDS = Histogram(
     "gateway_http_request_seconds", "Time to the response head (streams: to the first event), by route.", ["route"],
     buckets=LATENCY_BUCKETS,
 )  # fmt: skip
 IN_FLIGHT = Gauge("gateway_chat_in_flight", "Chat completions being served now.")
-TTFT_SECONDS = Histogram("gateway_ttft_seconds", "Time from request to the first generated token, by model.", ["model"], buckets=LATENCY_BUCKETS)
+TTFT_SECONDS = Histogram(
+    "gateway_ttft_seconds",
+    "Time from request to the first generated token, by model.",
+    ["model"],
+    buckets=LATENCY_BUCKETS,
+)
 TOKENS = Counter("gateway_completion_tokens_total", "Tokens generated, by model.", ["model"])

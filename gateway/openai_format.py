@@ -14,7 +14,9 @@ IndexedChunks = AsyncIterator[tuple[int, GenerationChunk]]
 
 
 def error_body(error: ServiceError) -> dict[str, Any]:
-    return {"error": {"message": error.message, "type": error.kind.openai_type, "param": error.param, "code": error.code}}
+    return {
+        "error": {"message": error.message, "type": error.kind.openai_type, "param": error.param, "code": error.code}
+    }
 
 
 class _Usage:
@@ -44,7 +46,12 @@ async def completion(completion_id: str, model: str, n: int, chunks: IndexedChun
             finish[index] = chunk.finish_reason
             usage.add(chunk)
     choices = [
-        {"index": i, "message": {"role": "assistant", "content": "".join(texts[i])}, "finish_reason": finish[i], "logprobs": None}
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": "".join(texts[i])},
+            "finish_reason": finish[i],
+            "logprobs": None,
+        }
         for i in range(n)
     ]
     return {
@@ -61,7 +68,9 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def event_stream(completion_id: str, model: str, n: int, chunks: IndexedChunks, include_usage: bool) -> AsyncIterator[str]:
+async def event_stream(
+    completion_id: str, model: str, n: int, chunks: IndexedChunks, include_usage: bool
+) -> AsyncIterator[str]:
     """chat.completion.chunk events: each choice's role first and finish_reason last, an
     optional usage chunk (empty choices), then [DONE]. An error after the first event
     becomes an error event, then [DONE]."""
@@ -69,7 +78,16 @@ async def event_stream(completion_id: str, model: str, n: int, chunks: IndexedCh
     usage = _Usage()
 
     def frame(choices: list[dict[str, Any]], **extra: Any) -> str:
-        return _sse({"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices, **extra})
+        return _sse(
+            {
+                "id": completion_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": choices,
+                **extra,
+            }
+        )
 
     def choice(index: int, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
         return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}

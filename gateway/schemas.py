@@ -7,7 +7,6 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-
 # Bounds that keep values inside the gRPC field types (int32/int64); the services
 # apply their own, tighter limits and say so in their errors.
 MAX_TOKENS_BOUND = 1_000_000
@@ -38,7 +37,9 @@ class ImageEmbedsPart(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     type: Literal["image_embeds"]
-    uuid: str | None = Field(None, min_length=1, description="Key of stored embeddings, as returned by /v1/images/encode.")
+    uuid: str | None = Field(
+        None, min_length=1, description="Key of stored embeddings, as returned by /v1/images/encode."
+    )
     image_embeds: str | None = Field(
         None, description="null with `uuid`; else base64 of a [tokens, hidden] tensor as .npy or safetensors bytes."
     )
@@ -76,7 +77,9 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = Field(False, description="Stream chunks as server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_BOUND, description="Most tokens to generate.")
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_BOUND, description="Alias of max_tokens (newer OpenAI name).")
+    max_completion_tokens: int | None = Field(
+        None, ge=1, le=MAX_TOKENS_BOUND, description="Alias of max_tokens (newer OpenAI name)."
+    )
     temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy.")
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling mass.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same output.")
@@ -110,5 +113,6 @@ class EncodeImageResponse(BaseModel):
     encoder_id: str
     cache_hit: bool
     embeddings: str | None = Field(
-        None, description="With return_embeddings: base64 safetensors with image_embeds [tokens, hidden] and image_grid_thw [1, 3]."
+        None,
+        description="With return_embeddings: base64 safetensors with image_embeds [tokens, hidden] and image_grid_thw [1, 3].",
     )

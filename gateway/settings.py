@@ -24,14 +24,21 @@ class GatewaySettings(BaseSettings):
     request_timeout_s: float = Field(300.0, gt=0, description="Deadline of one backend call.")
     max_images_per_request: int = Field(16, gt=0, description="Most images in one chat request.")
     max_body_bytes: int = Field(48 * 1024 * 1024, gt=0, description="Largest request body accepted.")
-    grpc_max_message_bytes: int = Field(DEFAULT_GRPC_MAX_MESSAGE_BYTES, gt=0, description="Largest gRPC message to backends.")
-    api_keys: list[str] = Field(
-        default_factory=list, description="Accepted `Authorization: Bearer` keys (JSON list); empty = no authentication."
+    grpc_max_message_bytes: int = Field(
+        DEFAULT_GRPC_MAX_MESSAGE_BYTES, gt=0, description="Largest gRPC message to backends."
     )
-    allow_inline_embeds: bool = Field(False, description="Accept inline image_embeds tensors (stored keys are always accepted).")
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description="Accepted `Authorization: Bearer` keys (JSON list); empty = no authentication.",
+    )
+    allow_inline_embeds: bool = Field(
+        False, description="Accept inline image_embeds tensors (stored keys are always accepted)."
+    )
     max_concurrent_requests: int = Field(256, gt=0, description="Chat completions in flight before new ones get 429.")
     grpc_token: str | None = Field(None, description="Shared token sent to the gRPC services (their *_GRPC_TOKEN).")
-    grpc_tls_ca_file: str | None = Field(None, description="PEM roots to verify the services' TLS certificates; unset = plaintext gRPC.")
+    grpc_tls_ca_file: str | None = Field(
+        None, description="PEM roots to verify the services' TLS certificates; unset = plaintext gRPC."
+    )
     json_logs: bool = Field(True, description="Structured JSON log lines (with the request id) instead of plain text.")
     log_level: str = Field("INFO", description="Python logging level.")
 

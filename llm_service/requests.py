@@ -66,7 +66,9 @@ def _message_from_pb(message: llm_pb2.ChatMessage, index: int) -> Message:
         elif which == "image" and part.image.WhichOneof("source") == "embedding_blob":
             parts.append(ImageInput(blob=part.image.embedding_blob))
         else:
-            raise InvalidInput("content part must be text or an image key/blob", param=f"messages[{index}].content[{j}]")
+            raise InvalidInput(
+                "content part must be text or an image key/blob", param=f"messages[{index}].content[{j}]"
+            )
     return Message(message.role, parts)
 
 

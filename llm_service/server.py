@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import grpc
 import torch
 from transformers import AutoConfig
@@ -16,8 +17,8 @@ from llm_service.servicer import LLMServicer
 from llm_service.settings import LLMSettings
 from shared.blob import BlobRules
 from shared.checkpoints import compute_encoder_id
-from shared.model_paths import resolve_checkpoint
 from shared.grpc_server import RunningServer, start_server
+from shared.model_paths import resolve_checkpoint
 from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc
 from shared.store import EmbeddingStore
 
@@ -47,7 +48,13 @@ def build_core(settings: LLMSettings) -> LLMCore:
     store = EmbeddingStore(settings.store_config())
     cache = BlobCache(settings.blob_cache_bytes)
     return LLMCore(
-        settings.model_name, engine, PromptBuilder(engine.tokenizer), store, rules, settings.max_images_per_request, cache
+        settings.model_name,
+        engine,
+        PromptBuilder(engine.tokenizer),
+        store,
+        rules,
+        settings.max_images_per_request,
+        cache,
     )
 
 
@@ -60,7 +67,11 @@ async def start_llm_server(settings: LLMSettings, core: LLMCore | None = None) -
         llm_pb2_grpc.add_LLMServiceServicer_to_server(LLMServicer(core, limits, settings.engine), server)
 
     running = await start_server(
-        register, [SERVICE_NAME], f"{settings.host}:{settings.port}", settings.grpc_max_message_bytes, settings.server_security()
+        register,
+        [SERVICE_NAME],
+        f"{settings.host}:{settings.port}",
+        settings.grpc_max_message_bytes,
+        settings.server_security(),
     )
     await running.set_serving(True)
     return LLMServer(running, core)

@@ -33,7 +33,12 @@ def image_data_url(png: bytes) -> str:
 
 
 def run_fanout(
-    base_url: str, encoder_target: str, png: bytes, models: list[str], questions: tuple[str, ...] = QUESTIONS, max_tokens: int = 16
+    base_url: str,
+    encoder_target: str,
+    png: bytes,
+    models: list[str],
+    questions: tuple[str, ...] = QUESTIONS,
+    max_tokens: int = 16,
 ) -> FanoutReport:
     """Asks every question to every model about `png`; counts the encodes it caused."""
     client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
@@ -46,10 +51,15 @@ def run_fanout(
                     model=model,
                     max_tokens=max_tokens,
                     temperature=0,
-                    messages=[{"role": "user", "content": [
-                        {"type": "image_url", "image_url": {"url": image_data_url(png)}},
-                        {"type": "text", "text": question},
-                    ]}],
+                    messages=[
+                        {
+                            "role": "user",
+                            "content": [
+                                {"type": "image_url", "image_url": {"url": image_data_url(png)}},
+                                {"type": "text", "text": question},
+                            ],
+                        }
+                    ],
                 )
                 usage = reply.usage.completion_tokens if reply.usage else 0
                 answers.append(Answer(model, question, reply.choices[0].message.content or "", usage))

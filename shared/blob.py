@@ -63,9 +63,13 @@ def validate_blob(blob: EmbeddingBlob, rules: BlobRules, where: str = "embedding
     if embeds.ndim != 2:
         raise InvalidEmbedding(f"{where} must be 2-D [tokens, hidden], got shape {list(embeds.shape)}", param=where)
     if embeds.dtype not in ALLOWED_DTYPES:
-        raise InvalidEmbedding(f"{where} dtype {embeds.dtype} is not one of {sorted(ALLOWED_DTYPES.values())}", param=where)
+        raise InvalidEmbedding(
+            f"{where} dtype {embeds.dtype} is not one of {sorted(ALLOWED_DTYPES.values())}", param=where
+        )
     if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] < 1 or grid.dtype != torch.int64:
-        raise InvalidEmbedding(f"{where} grid_thw must be int64 [n, 3], got {grid.dtype} {list(grid.shape)}", param=where)
+        raise InvalidEmbedding(
+            f"{where} grid_thw must be int64 [n, 3], got {grid.dtype} {list(grid.shape)}", param=where
+        )
     if bool((grid <= 0).any()):
         raise InvalidEmbedding(f"{where} grid_thw values must be positive", param=where)
     if bool((grid.prod(dim=-1) % rules.merge_size**2 != 0).any()):
@@ -124,7 +128,9 @@ def decode_blob(data: bytes, rules: BlobRules, where: str = "embedding") -> Embe
     """Parses safetensors bytes into a validated blob; never unpickles anything."""
     metadata = _read_metadata(data, where)
     if metadata.get("schema") != SCHEMA_VERSION:
-        raise InvalidEmbedding(f"{where} has schema {clip(str(metadata.get('schema')))!r}, expected {SCHEMA_VERSION!r}", param=where)
+        raise InvalidEmbedding(
+            f"{where} has schema {clip(str(metadata.get('schema')))!r}, expected {SCHEMA_VERSION!r}", param=where
+        )
     modality = metadata.get("modality", "image")
     if modality not in ("image", "video"):
         raise InvalidEmbedding(f"{where} has unknown modality {clip(str(modality))!r}", param=where)

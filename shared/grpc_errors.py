@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from shared.errors import EmbeddingNotFound, Internal, ServiceError, Unavailable, error_class_for
-from shared.grpc_wrap import rewrap
+from shared.grpc_wrap import WrappingInterceptor
 
 logger = logging.getLogger(__name__)
 
@@ -74,15 +74,11 @@ def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., A
     return wrapper
 
 
-class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+class ErrorMappingInterceptor(WrappingInterceptor):
     """Turns ServiceError into its status code; anything else into INTERNAL (logged)."""
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        return rewrap(await continuation(handler_call_details), _wrap_unary, _wrap_stream)
+    def __init__(self) -> None:
+        super().__init__(_wrap_unary, _wrap_stream)
 
 
 def _metadata_value(metadata: Any, key: str) -> str | None:

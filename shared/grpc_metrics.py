@@ -12,7 +12,9 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from shared.grpc_wrap import StreamBehavior, UnaryBehavior, rewrap
 
-RPC_HANDLED = Counter("grpc_server_handled_total", "RPCs completed, by method and status code.", ["grpc_method", "grpc_code"])
+RPC_HANDLED = Counter(
+    "grpc_server_handled_total", "RPCs completed, by method and status code.", ["grpc_method", "grpc_code"]
+)
 RPC_SECONDS = Histogram(
     "grpc_server_handling_seconds", "Time from call start to its last message, by method.", ["grpc_method"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),

@@ -21,10 +21,18 @@ from shared.request_context import RequestContextInterceptor
 logger = logging.getLogger(__name__)
 
 
+# Clients re-resolve DNS only when a connection ends; ageing connections out lets
+# gateways behind a headless Service discover pods added by a scale-up.
+MAX_CONNECTION_AGE_MS = 5 * 60 * 1000
+MAX_CONNECTION_AGE_GRACE_MS = 60 * 1000
+
+
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
+        ("grpc.max_connection_age_grace_ms", MAX_CONNECTION_AGE_GRACE_MS),
     ]
 
 

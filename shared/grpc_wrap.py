@@ -20,9 +20,31 @@ def rewrap(
     """The same handler with its unary-unary or unary-stream behaviour wrapped; others as they are."""
     if handler is None:
         return None
-    serializers = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    serializers = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), **serializers)
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(wrap_stream(handler.unary_stream), **serializers)
     return handler
+
+
+class WrappingInterceptor(grpc.aio.ServerInterceptor):
+    """Applies `wrap_unary` / `wrap_stream` around the behaviour of every call."""
+
+    def __init__(
+        self,
+        wrap_unary: Callable[[UnaryBehavior], UnaryBehavior],
+        wrap_stream: Callable[[StreamBehavior], StreamBehavior],
+    ) -> None:
+        self._wrap_unary = wrap_unary
+        self._wrap_stream = wrap_stream
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        return rewrap(await continuation(handler_call_details), self._wrap_unary, self._wrap_stream)

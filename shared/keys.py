@@ -30,5 +30,7 @@ def encoder_id_of_key(key: str, param: str = "key") -> str:
     """The encoder id inside a key; InvalidInput when the key is malformed."""
     match = _KEY_PATTERN.match(key)
     if match is None:
-        raise InvalidInput(f"{clip(key)!r} is not an embedding key (expected emb:v1:<encoder_id>:<sha256>)", param=param)
+        raise InvalidInput(
+            f"{clip(key)!r} is not an embedding key (expected emb:v1:<encoder_id>:<sha256>)", param=param
+        )
     return match.group("encoder_id")

@@ -1,9 +1,9 @@
 """Which Redis deployment a URL names: one server, a Cluster, or a Sentinel-managed primary.
 
-  redis://[user:password@]host:port/db          one server (rediss:// for TLS)
-  redis-cluster://[user:password@]h1:p1,h2:p2   a Redis Cluster, via any of its nodes (rediss-cluster:// for TLS)
-  redis-sentinel://[:password@]h1:p1,h2:p2/service[/db]
-                                                the primary that Sentinels report for `service`
+redis://[user:password@]host:port/db          one server (rediss:// for TLS)
+redis-cluster://[user:password@]h1:p1,h2:p2   a Redis Cluster, via any of its nodes (rediss-cluster:// for TLS)
+redis-sentinel://[:password@]h1:p1,h2:p2/service[/db]
+                                              the primary that Sentinels report for `service`
 """
 
 from __future__ import annotations
@@ -61,4 +61,6 @@ def parse_redis_url(url: str) -> RedisTarget:
         if not service:
             raise ValueError("redis-sentinel:// URLs need the service name as their path: .../mymaster")
         return RedisTarget("sentinel", url, _nodes(hosts), user, password, service_name=service, db=int(db or 0))
-    raise ValueError(f"unknown Redis URL scheme {scheme!r}; use redis, rediss, redis-cluster, rediss-cluster or redis-sentinel")
+    raise ValueError(
+        f"unknown Redis URL scheme {scheme!r}; use redis, rediss, redis-cluster, rediss-cluster or redis-sentinel"
+    )

@@ -10,12 +10,11 @@ import contextvars
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
-from shared.grpc_wrap import StreamBehavior, UnaryBehavior, rewrap
+from shared.grpc_wrap import StreamBehavior, UnaryBehavior, WrappingInterceptor
 
 REQUEST_ID_KEY = "x-request-id"
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
@@ -78,12 +77,8 @@ def _wrap_stream(behavior: StreamBehavior) -> StreamBehavior:
     return wrapper
 
 
-class RequestContextInterceptor(grpc.aio.ServerInterceptor):
+class RequestContextInterceptor(WrappingInterceptor):
     """Puts the caller's x-request-id into request_id_var for the duration of the call."""
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        return rewrap(await continuation(handler_call_details), _wrap_unary, _wrap_stream)
+    def __init__(self) -> None:
+        super().__init__(_wrap_unary, _wrap_stream)

@@ -15,13 +15,13 @@ from typing import TypeVar
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
 
 from shared.errors import TooLarge, Unavailable
 from shared.redis_urls import RedisTarget, parse_redis_url
@@ -73,7 +73,9 @@ class EmbeddingStore:
     async def put(self, key: str, data: bytes) -> None:
         """Stores a blob with the configured TTL."""
         if len(data) > self.config.max_value_bytes:
-            raise TooLarge(f"embedding blob of {len(data)} bytes exceeds the store's limit of {self.config.max_value_bytes}")
+            raise TooLarge(
+                f"embedding blob of {len(data)} bytes exceeds the store's limit of {self.config.max_value_bytes}"
+            )
         await self._call(self._redis.set(key, data, ex=self.config.ttl_s))
 
     async def delete(self, key: str) -> None:

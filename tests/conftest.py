@@ -10,7 +10,15 @@ from fastapi import FastAPI
 from openai import OpenAI
 
 from gateway.app import create_app
-from tests.harness import BackgroundLoop, RedisServer, Stack, gateway_settings_for, start_gateway, start_stack, stop_stack
+from tests.harness import (
+    BackgroundLoop,
+    RedisServer,
+    Stack,
+    gateway_settings_for,
+    start_gateway,
+    start_stack,
+    stop_stack,
+)
 from tests.model_fixtures import build_test_checkpoints
 
 MODELS = ("ft-a", "ft-b")
@@ -60,7 +68,11 @@ def openai_client(stack: Stack) -> OpenAI:
 def strict_gateway_app(stack: Stack, background_loop: BackgroundLoop) -> Iterator[FastAPI]:
     """A second gateway on the same backends: API keys, inline embeddings on, one request at a time."""
     settings = gateway_settings_for(
-        stack.encoder, stack.llms, api_keys=["test-key-1", "test-key-2"], allow_inline_embeds=True, max_concurrent_requests=1
+        stack.encoder,
+        stack.llms,
+        api_keys=["test-key-1", "test-key-2"],
+        allow_inline_embeds=True,
+        max_concurrent_requests=1,
     )
     app = create_app(settings)
     server, port = background_loop.run(start_gateway(app))

@@ -51,7 +51,19 @@ class RedisServer:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.workdir)]
+        args = [
+            binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.workdir),
+        ]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port)
         deadline = time.monotonic() + 10
@@ -98,7 +110,6 @@ class Stack:
     redis: RedisServer
     gateway_app: FastAPI  # its state.backends holds the gateway's gRPC clients
 
-
     @property
     def encoder_target(self) -> str:
         return f"127.0.0.1:{self.encoder.port}"
@@ -133,7 +144,9 @@ def gateway_settings_for(encoder: EncoderServer, llms: dict[str, LLMServer], **o
 
 async def start_stack(checkpoints: dict[str, Path], redis_server: RedisServer, models: tuple[str, ...]) -> Stack:
     common = {"redis_url": redis_server.url, "host": "127.0.0.1", "port": 0}
-    encoder = await start_encoder_server(EncoderSettings(checkpoint=str(checkpoints["base"]), allow_private_urls=True, **common))
+    encoder = await start_encoder_server(
+        EncoderSettings(checkpoint=str(checkpoints["base"]), allow_private_urls=True, **common)
+    )
     llms = {}
     for name in models:
         llms[name] = await start_llm_server(LLMSettings(checkpoint=str(checkpoints[name]), model_name=name, **common))

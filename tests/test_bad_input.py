@@ -30,7 +30,11 @@ def _chat(stack: Stack, body: object, raw: bytes | None = None) -> httpx.Respons
 
 
 def _image_chat(model: str, part: dict) -> dict:
-    return {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": [part, {"type": "text", "text": "What?"}]}]}
+    return {
+        "model": model,
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": [part, {"type": "text", "text": "What?"}]}],
+    }
 
 
 def _url_part(url: str) -> dict:
@@ -59,7 +63,10 @@ def test_malformed_json_is_400(stack: Stack) -> None:
         ({"model": "ft-a", "messages": []}, "messages"),
         ({"model": "ft-a", "messages": [{"role": "user", "content": "hi"}], "temperature": 7}, "temperature"),
         ({"model": "ft-a", "messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
-        ({"model": "ft-a", "messages": [{"role": "user", "content": [{"type": "audio", "x": 1}]}]}, "messages[0].content"),
+        (
+            {"model": "ft-a", "messages": [{"role": "user", "content": [{"type": "audio", "x": 1}]}]},
+            "messages[0].content",
+        ),
         ({"model": "ft-a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
     ],
 )
@@ -69,7 +76,12 @@ def test_bad_fields_are_400_naming_the_param(stack: Stack, body: dict, param: st
 
 
 def test_unknown_model_is_404(stack: Stack, openai_client: OpenAI) -> None:
-    _assert_error(_chat(stack, {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}), 404, "model", "model_not_found")
+    _assert_error(
+        _chat(stack, {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}),
+        404,
+        "model",
+        "model_not_found",
+    )
 
 
 def _bomb_png(width: int = 60000, height: int = 60000) -> bytes:
@@ -79,7 +91,9 @@ def _bomb_png(width: int = 60000, height: int = 60000) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 1024)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 1024)) + chunk(b"IEND", b"")
+    )
 
 
 @pytest.mark.parametrize(
@@ -151,7 +165,11 @@ def test_bad_blobs_are_rejected_before_the_engine_and_service_keeps_answering(st
                 list(llm.generate("ft-b", [Message("user", [InlineEmbedding(_unchecked_blob(blob)), "hi"])]))
         good = EmbeddingBlob(torch.randn(4, HIDDEN), grid, encoder_id)
         rules = BlobRules(2, HIDDEN, frozenset({encoder_id}))
-        chunks = list(llm.generate("ft-b", [Message("user", [InlineEmbedding(encode_blob(good, rules)), "hi"])], Sampling(max_tokens=3)))
+        chunks = list(
+            llm.generate(
+                "ft-b", [Message("user", [InlineEmbedding(encode_blob(good, rules)), "hi"])], Sampling(max_tokens=3)
+            )
+        )
     assert chunks[-1].finish_reason in ("stop", "length")
 
 
@@ -166,7 +184,9 @@ def _unchecked_blob(blob: EmbeddingBlob) -> bytes:
 def test_corrupt_stored_blob_is_a_client_error_via_gateway(stack: Stack) -> None:
     encoder_id = EncoderClient(stack.encoder_target).stats().encoder_id
     key = embedding_key(encoder_id, b"corrupt entry", 1, 2)
-    stack.redis.client().set(key, _unchecked_blob(EmbeddingBlob(torch.randn(3, HIDDEN), torch.tensor([[1, 4, 4]]), encoder_id)), ex=60)
+    stack.redis.client().set(
+        key, _unchecked_blob(EmbeddingBlob(torch.randn(3, HIDDEN), torch.tensor([[1, 4, 4]]), encoder_id)), ex=60
+    )
     part = {"type": "image_embeds", "image_embeds": None, "uuid": key}
     _assert_error(_chat(stack, _image_chat("ft-a", part)), 400, code="invalid_embedding")
 

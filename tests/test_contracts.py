@@ -29,7 +29,9 @@ RULES = BlobRules(merge_size=2, hidden_size=8, accepted_encoder_ids=frozenset({"
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _blob(rows: int = 6, hidden: int = 8, grid: list[list[int]] | None = None, encoder_id: str = "enc-a") -> EmbeddingBlob:
+def _blob(
+    rows: int = 6, hidden: int = 8, grid: list[list[int]] | None = None, encoder_id: str = "enc-a"
+) -> EmbeddingBlob:
     grid_tensor = torch.tensor(grid or [[1, 4, 6]], dtype=torch.int64)
     return EmbeddingBlob(torch.randn(rows, hidden), grid_tensor, encoder_id)
 
@@ -81,8 +83,17 @@ def test_garbage_and_pickle_are_refused_without_unpickling(data: bytes) -> None:
 def test_keys_depend_on_bytes_and_pixel_options() -> None:
     base = embedding_key("enc-a", b"image", 100, 200)
     assert base == embedding_key("enc-a", b"image", 100, 200)
-    assert len({base, embedding_key("enc-a", b"image2", 100, 200), embedding_key("enc-a", b"image", 100, 300),
-                embedding_key("enc-b", b"image", 100, 200)}) == 4
+    assert (
+        len(
+            {
+                base,
+                embedding_key("enc-a", b"image2", 100, 200),
+                embedding_key("enc-a", b"image", 100, 300),
+                embedding_key("enc-b", b"image", 100, 200),
+            }
+        )
+        == 4
+    )
     assert base.startswith("emb:v1:enc-a:")
     assert encoder_id_of_key(base) == "enc-a"
 
@@ -100,7 +111,11 @@ def test_status_codes_map_back_to_the_raised_class() -> None:
     assert error_class_for(grpc.StatusCode.NOT_FOUND, None) is NotFound
     assert error_class_for(grpc.StatusCode.INVALID_ARGUMENT, "invalid_embedding") is InvalidEmbedding
     assert error_class_for(grpc.StatusCode.UNAVAILABLE, None) is Unavailable
-    assert (ModelNotFound.kind.http_status, IncompatibleEncoder.kind.http_status, Unavailable.kind.http_status) == (404, 409, 503)
+    assert (ModelNotFound.kind.http_status, IncompatibleEncoder.kind.http_status, Unavailable.kind.http_status) == (
+        404,
+        409,
+        503,
+    )
 
 
 def test_generated_stubs_are_up_to_date(tmp_path: Path) -> None:

@@ -19,5 +19,10 @@ def _documented(prefix: str, name: str) -> bool:
 
 def test_readme_names_every_setting() -> None:
     services = ((EncoderSettings, "ENCODER_"), (LLMSettings, "LLM_"), (GatewaySettings, "GATEWAY_"))
-    missing = [f"{prefix}{name.upper()}" for cls, prefix in services for name in cls.model_fields if not _documented(prefix, name)]
+    missing = [
+        f"{prefix}{name.upper()}"
+        for cls, prefix in services
+        for name in cls.model_fields
+        if not _documented(prefix, name)
+    ]
     assert not missing, f"README lacks {missing}"

@@ -25,7 +25,12 @@ def _ask(client: OpenAI, model: str, image_url: str, question: str, **extra: obj
         model=model,
         max_tokens=MAX_TOKENS,
         temperature=0,
-        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": question}]}],
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": question}],
+            }
+        ],
         **extra,
     )
     assert reply.usage is not None
@@ -63,7 +68,11 @@ def test_sdk_tokens_equal_reference_tokens_and_differ_across_models_and_images(
             key = encoder.encode(image_bytes=image).key
             for model in ("ft-a", "ft-b"):
                 with LLMClient(stack.llm_target(model)) as llm:
-                    chunks = list(llm.generate(model, [Message("user", [ImageKey(key), question])], Sampling(max_tokens=MAX_TOKENS)))
+                    chunks = list(
+                        llm.generate(
+                            model, [Message("user", [ImageKey(key), question])], Sampling(max_tokens=MAX_TOKENS)
+                        )
+                    )
                 tokens = [t for c in chunks for t in c.token_ids]
                 assert tokens == reference_greedy_tokens(checkpoints[model], pil_image(image), question, MAX_TOKENS)
                 seen[(seed, model)] = tuple(tokens)
@@ -80,10 +89,17 @@ def test_fanout_encodes_each_image_once(stack: Stack) -> None:
 
 def test_streaming_matches_non_streaming_and_ends_with_usage(stack: Stack, openai_client: OpenAI) -> None:
     url = data_url(png_bytes(seed=41))
-    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Hi"}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Hi"}]}
+    ]
     full = openai_client.chat.completions.create(model="ft-a", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
     stream = openai_client.chat.completions.create(
-        model="ft-a", messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True, stream_options={"include_usage": True}
+        model="ft-a",
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     assert len({c.id for c in chunks}) == 1
@@ -101,9 +117,18 @@ def test_image_embeds_part_by_key_answers_like_image_url(stack: Stack, openai_cl
     encoded = httpx.post(f"{stack.base_url}/v1/images/encode", json={"image_url": data_url(image)}).json()
     assert encoded["grid_thw"][0] == 1 and encoded["num_tokens"] > 0 and encoded["key"].startswith("emb:v1:")
     by_key = openai_client.chat.completions.create(
-        model="ft-b", max_tokens=MAX_TOKENS, temperature=0,
-        messages=[{"role": "user", "content": [{"type": "image_embeds", "image_embeds": None, "uuid": encoded["key"]},
-                                              {"type": "text", "text": QUESTIONS[1]}]}],
+        model="ft-b",
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_embeds", "image_embeds": None, "uuid": encoded["key"]},
+                    {"type": "text", "text": QUESTIONS[1]},
+                ],
+            }
+        ],
     )
     text, _, _ = _ask(openai_client, "ft-b", data_url(image), QUESTIONS[1])
     assert by_key.choices[0].message.content == text
@@ -111,12 +136,20 @@ def test_image_embeds_part_by_key_answers_like_image_url(stack: Stack, openai_cl
 
 def test_text_only_and_multi_turn_conversations_work(stack: Stack, openai_client: OpenAI) -> None:
     reply = openai_client.chat.completions.create(
-        model="ft-a", max_tokens=5, temperature=0,
+        model="ft-a",
+        max_tokens=5,
+        temperature=0,
         messages=[
             {"role": "system", "content": "Be brief."},
             {"role": "user", "content": "Hello"},
             {"role": "assistant", "content": "Hi."},
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png_bytes(61))}}, {"type": "text", "text": "And this?"}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_url(png_bytes(61))}},
+                    {"type": "text", "text": "And this?"},
+                ],
+            },
         ],
     )
     assert reply.choices[0].finish_reason in ("stop", "length")

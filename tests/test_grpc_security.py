@@ -65,7 +65,9 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return cert, key
 
 
-def test_tls_serves_clients_that_trust_the_certificate(stack: Stack, background_loop: BackgroundLoop, tls_files: tuple[Path, Path]) -> None:
+def test_tls_serves_clients_that_trust_the_certificate(
+    stack: Stack, background_loop: BackgroundLoop, tls_files: tuple[Path, Path]
+) -> None:
     cert, key = tls_files
     with _serve(stack, background_loop, grpc_tls_cert_file=str(cert), grpc_tls_key_file=str(key)) as server:
         target = f"localhost:{server.port}"

@@ -31,14 +31,22 @@ def _sample(metrics_text: str, name: str, **labels: str) -> float:
 def test_metrics_count_requests_encodes_and_rpcs(stack: Stack, openai_client: OpenAI) -> None:
     before = httpx.get(f"{stack.base_url}/metrics").text
     openai_client.chat.completions.create(
-        model="ft-a", max_tokens=3, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png_bytes(401))}}]}]
+        model="ft-a",
+        max_tokens=3,
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png_bytes(401))}}]}],
     )
     after = httpx.get(f"{stack.base_url}/metrics").text
     route = {"route": "/v1/chat/completions", "status": "200"}
-    assert _sample(after, "gateway_http_requests_total", **route) == _sample(before, "gateway_http_requests_total", **route) + 1
+    assert (
+        _sample(after, "gateway_http_requests_total", **route)
+        == _sample(before, "gateway_http_requests_total", **route) + 1
+    )
     assert _sample(after, "encoder_images_encoded_total") == _sample(before, "encoder_images_encoded_total") + 1
     generate = {"grpc_method": "/llm.v1.LLMService/Generate", "grpc_code": "OK"}
-    assert _sample(after, "grpc_server_handled_total", **generate) >= _sample(before, "grpc_server_handled_total", **generate) + 1
+    assert (
+        _sample(after, "grpc_server_handled_total", **generate)
+        >= _sample(before, "grpc_server_handled_total", **generate) + 1
+    )
     assert _sample(after, "gateway_ttft_seconds_count", model="ft-a") >= 1
     assert _sample(after, "gateway_completion_tokens_total", model="ft-a") >= 3
 

@@ -4,9 +4,9 @@ API keys and load shedding."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
-import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,11 +26,16 @@ from tests.images import data_url, png_bytes
 
 
 def _image_message(url: str, text: str) -> dict:
-    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}
+    return {
+        "role": "user",
+        "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}],
+    }
 
 
 def test_n_choices_with_a_seed_are_indexed_and_reproducible(stack: Stack, openai_client: OpenAI) -> None:
-    kwargs = dict(model="ft-a", max_tokens=8, temperature=1.0, seed=7, n=2, messages=[{"role": "user", "content": "Tell a story"}])
+    kwargs = dict(
+        model="ft-a", max_tokens=8, temperature=1.0, seed=7, n=2, messages=[{"role": "user", "content": "Tell a story"}]
+    )
     first = openai_client.chat.completions.create(**kwargs)
     again = openai_client.chat.completions.create(**kwargs)
     assert [c.index for c in first.choices] == [0, 1]
@@ -45,7 +50,9 @@ def test_streaming_n_choices_each_end_with_a_finish_reason(stack: Stack, openai_
         messages=[{"role": "user", "content": "hi"}],
     )  # fmt: skip
     chunks = list(stream)
-    finishes = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason}
+    finishes = {
+        c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    }
     assert finishes == {0: "length", 1: "length"}
     assert chunks[-1].usage.completion_tokens == 10
 
@@ -56,10 +63,16 @@ def test_max_completion_tokens_stop_list_and_unknown_fields(stack: Stack, openai
         extra_body={"some_vendor_field": {"x": 1}}, user="someone",
     )  # fmt: skip
     assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "length"
-    long = openai_client.chat.completions.create(model="ft-a", max_tokens=12, temperature=0, messages=[{"role": "user", "content": "hi"}])
+    long = openai_client.chat.completions.create(
+        model="ft-a", max_tokens=12, temperature=0, messages=[{"role": "user", "content": "hi"}]
+    )
     text = long.choices[0].message.content
     cut = openai_client.chat.completions.create(
-        model="ft-a", max_tokens=12, temperature=0, stop=["\u2603", text[4:6]], messages=[{"role": "user", "content": "hi"}]
+        model="ft-a",
+        max_tokens=12,
+        temperature=0,
+        stop=["\u2603", text[4:6]],
+        messages=[{"role": "user", "content": "hi"}],
     )
     assert cut.choices[0].message.content == text[: text.index(text[4:6])]
 
@@ -94,7 +107,9 @@ def test_too_many_images_is_400(stack: Stack) -> None:
 
 
 def test_encode_endpoint_returns_the_embeddings_on_request(stack: Stack) -> None:
-    reply = httpx.post(f"{stack.base_url}/v1/images/encode", json={"image_url": data_url(png_bytes(304)), "return_embeddings": True}).json()
+    reply = httpx.post(
+        f"{stack.base_url}/v1/images/encode", json={"image_url": data_url(png_bytes(304)), "return_embeddings": True}
+    ).json()
     blob = decode_blob(base64.b64decode(reply["embeddings"]), BlobRules(2, 256, frozenset({reply["encoder_id"]})))
     assert blob.num_tokens == reply["num_tokens"] and blob.grid_thw[0].tolist() == reply["grid_thw"]
     plain = httpx.post(f"{stack.base_url}/v1/images/encode", json={"image_url": data_url(png_bytes(304))}).json()
@@ -139,9 +154,15 @@ def test_inline_embeddings_in_vllm_form_answer_like_the_stored_key(stack: Stack,
 def test_pickle_payloads_are_refused_naming_the_safe_formats(strict_gateway: str, stack: Stack) -> None:
     buffer = io.BytesIO()
     torch.save(torch.zeros(4, 256), buffer)
-    part = {"type": "image_embeds", "image_embeds": base64.b64encode(buffer.getvalue()).decode(), "image_grid_thw": [1, 4, 4]}
+    part = {
+        "type": "image_embeds",
+        "image_embeds": base64.b64encode(buffer.getvalue()).decode(),
+        "image_grid_thw": [1, 4, 4],
+    }
     body = {"model": "ft-a", "messages": [{"role": "user", "content": [part]}]}
-    response = httpx.post(f"{strict_gateway}/v1/chat/completions", json=body, headers={"authorization": "Bearer test-key-1"})
+    response = httpx.post(
+        f"{strict_gateway}/v1/chat/completions", json=body, headers={"authorization": "Bearer test-key-1"}
+    )
     assert response.status_code == 400
     assert ".npy" in response.json()["error"]["message"] and "safetensors" in response.json()["error"]["message"]
     disabled = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body)

@@ -32,7 +32,12 @@ def test_urls_choose_the_topology() -> None:
     assert (cluster.topology, cluster.nodes, cluster.username, cluster.password, cluster.tls) == (
         "cluster", (("10.0.0.1", 7000), ("10.0.0.2", 7001)), "app", "pw", True)  # fmt: skip
     sentinel = parse_redis_url("redis-sentinel://:pw@s1:26379,s2:26379/mymaster/2")
-    assert (sentinel.topology, sentinel.service_name, sentinel.db, sentinel.password) == ("sentinel", "mymaster", 2, "pw")
+    assert (sentinel.topology, sentinel.service_name, sentinel.db, sentinel.password) == (
+        "sentinel",
+        "mymaster",
+        2,
+        "pw",
+    )
     assert parse_redis_url("redis://localhost:6379/0").topology == "single"
     for bad in ("localhost:6379", "redis-cluster://nohostport", "redis-sentinel://s1:26379", "memcached://x:1"):
         with pytest.raises(ValueError):
@@ -58,7 +63,9 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     for port in ports:
         workdir = tmp_path_factory.mktemp(f"cluster-{port}")
         processes.append(subprocess.Popen(
-            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes", "--cluster-config-file",
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+             # An explicit bus port: the default (port + 10000) may be taken or past 65535.
+             "--cluster-port", str(free_port()), "--cluster-config-file",
              str(workdir / "nodes.conf"), "--save", "", "--appendonly", "no", "--dir", str(workdir)],
             stdout=subprocess.DEVNULL,
         ))  # fmt: skip
@@ -68,7 +75,13 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         nodes = [f"127.0.0.1:{port}" for port in ports]
         subprocess.run(["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],
                        check=True, capture_output=True)  # fmt: skip
-        _wait(lambda: all(redis.Redis(port=p, decode_responses=True).cluster("info")["cluster_state"] == "ok" for p in ports), "cluster")
+        _wait(
+            lambda: all(
+                redis.Redis(port=p, decode_responses=True).cluster("info")["cluster_state"] == "ok" for p in ports
+            ),
+            "cluster",
+            timeout_s=60,
+        )
         yield "redis-cluster://" + ",".join(nodes)
     finally:
         for process in processes:
@@ -99,8 +112,12 @@ def test_end_to_end_against_the_cluster_matches_single_redis(
     )  # fmt: skip
     llm_core = dataclasses.replace(stack.llms["ft-b"].core, store=EmbeddingStore(cluster_store), cache=BlobCache(0))
     common = {"host": "127.0.0.1", "port": 0, "redis_url": redis_cluster}
-    encoder = background_loop.run(start_encoder_server(EncoderSettings(checkpoint="unused", **common), core=encoder_core))
-    llm = background_loop.run(start_llm_server(LLMSettings(checkpoint="unused", model_name="ft-b", **common), core=llm_core))
+    encoder = background_loop.run(
+        start_encoder_server(EncoderSettings(checkpoint="unused", **common), core=encoder_core)
+    )
+    llm = background_loop.run(
+        start_llm_server(LLMSettings(checkpoint="unused", model_name="ft-b", **common), core=llm_core)
+    )
     try:
         images = [png_bytes(500 + i) for i in range(3)]
         with EncoderClient(f"127.0.0.1:{encoder.port}") as cluster_encoder:

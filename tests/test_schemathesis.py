@@ -33,7 +33,9 @@ def test_no_generated_request_gets_a_server_error(stack: Stack) -> None:
 
         @given(case=operation.as_strategy())
         # Derandomized: CI must be repeatable; raise max_examples locally to hunt for more.
-        @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True)
+        @settings(
+            max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True
+        )
         def check(case: schemathesis.Case) -> None:
             case.body = _bounded(case.body)
             response = case.call_and_validate(checks=[not_a_server_error], timeout=120)

@@ -104,7 +104,9 @@ def test_async_llm_client_streams_and_lists_models(stack: Stack) -> None:
         async with AsyncEncoderClient(stack.encoder_target) as encoder, AsyncLLMClient(stack.llm_target("ft-b")) as llm:
             key = (await encoder.encode(image_bytes=png_bytes(94))).key
             models = await llm.list_models()
-            chunks = [c async for c in llm.generate("ft-b", [Message("user", [ImageKey(key), "hi"])], Sampling(max_tokens=4))]
+            chunks = [
+                c async for c in llm.generate("ft-b", [Message("user", [ImageKey(key), "hi"])], Sampling(max_tokens=4))
+            ]
             with pytest.raises(ModelNotFound):
                 [c async for c in llm.generate("ft-a", [Message("user", ["hi"])])]
         assert [m.name for m in models] == ["ft-b"] and models[0].hidden_size == 256
@@ -116,15 +118,25 @@ def test_async_llm_client_streams_and_lists_models(stack: Stack) -> None:
 def test_sampling_with_a_seed_is_reproducible(stack: Stack) -> None:
     sampling = Sampling(max_tokens=8, temperature=1.0, top_p=0.9, seed=1234)
     with LLMClient(stack.llm_target("ft-a")) as llm:
-        runs = [[t for c in llm.generate("ft-a", [Message("user", ["Tell me"])], sampling) for t in c.token_ids] for _ in range(2)]
+        runs = [
+            [t for c in llm.generate("ft-a", [Message("user", ["Tell me"])], sampling) for t in c.token_ids]
+            for _ in range(2)
+        ]
     assert runs[0] == runs[1] and runs[0]
 
 
 def test_health_and_reflection_on_both_servers(stack: Stack) -> None:
-    for target, service in [(stack.encoder_target, "encoder.v1.EncoderService"), (stack.llm_target("ft-a"), "llm.v1.LLMService")]:
+    for target, service in [
+        (stack.encoder_target, "encoder.v1.EncoderService"),
+        (stack.llm_target("ft-a"), "llm.v1.LLMService"),
+    ]:
         with grpc.insecure_channel(target) as channel:
-            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            status = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=5
+            )
             assert status.status == health_pb2.HealthCheckResponse.SERVING
             request = reflection_pb2.ServerReflectionRequest(list_services="")
-            reply = next(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(iter([request]), timeout=5))
+            reply = next(
+                reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(iter([request]), timeout=5)
+            )
             assert service in [s.name for s in reply.list_services_response.service]

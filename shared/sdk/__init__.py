@@ -2,7 +2,17 @@
 
 from shared.sdk.encoder_client import AsyncEncoderClient, EncoderClient
 from shared.sdk.llm_client import AsyncLLMClient, LLMClient
-from shared.sdk.types import ChannelConfig, EncodedImage, EncoderStats, GenerationChunk, ImageKey, InlineEmbedding, Message, ModelInfo, Sampling
+from shared.sdk.types import (
+    ChannelConfig,
+    EncodedImage,
+    EncoderStats,
+    GenerationChunk,
+    ImageKey,
+    InlineEmbedding,
+    Message,
+    ModelInfo,
+    Sampling,
+)
 
 __all__ = [
     "AsyncEncoderClient",

@@ -30,7 +30,9 @@ class AsyncLLMClient:
         """Streams chunks; leaving the loop early cancels the generation on the server."""
         request_id = request_id or uuid.uuid4().hex
         request = generate_request(model, messages, sampling or Sampling(), request_id)
-        call = self._stub.Generate(request, timeout=self.timeout_s, metadata=call_metadata(self._config.token, request_id))
+        call = self._stub.Generate(
+            request, timeout=self.timeout_s, metadata=call_metadata(self._config.token, request_id)
+        )
         try:
             with raising_service_errors(self._errors):
                 async for chunk in call:
@@ -70,7 +72,9 @@ class LLMClient:
     ) -> Iterator[GenerationChunk]:
         request_id = request_id or uuid.uuid4().hex
         request = generate_request(model, messages, sampling or Sampling(), request_id)
-        call = self._stub.Generate(request, timeout=self.timeout_s, metadata=call_metadata(self._config.token, request_id))
+        call = self._stub.Generate(
+            request, timeout=self.timeout_s, metadata=call_metadata(self._config.token, request_id)
+        )
         try:
             with raising_service_errors(self._errors):
                 for chunk in call:

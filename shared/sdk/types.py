@@ -152,7 +152,9 @@ class Sampling:
         return params
 
 
-def generate_request(model: str, messages: list[Message], sampling: Sampling, request_id: str) -> llm_pb2.GenerateRequest:
+def generate_request(
+    model: str, messages: list[Message], sampling: Sampling, request_id: str
+) -> llm_pb2.GenerateRequest:
     return llm_pb2.GenerateRequest(
         model=model, messages=[m.to_pb() for m in messages], sampling=sampling.to_pb(), request_id=request_id
     )

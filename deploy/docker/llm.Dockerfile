@@ -1,0 +1,60 @@
+# syntax=docker/dockerfile:1.7
+# LLM service, one image for every fine-tune (the checkpoint is mounted, never baked in).
+# Build from the repository root:
+#   GPU, vLLM engine (default target):
+#     docker build -f deploy/docker/llm.Dockerfile -t vlm-encode-once/llm:0.1.0 .
+#   CPU, transformers engine, for the dev overlay:
+#     docker build -f deploy/docker/llm.Dockerfile --target cpu -t vlm-encode-once/llm:dev-cpu .
+# vLLM 0.32.0 pins torch==2.13.0 and transformers<5.20, the versions the project pins too
+# (pyproject.toml), so installing the project into vLLM's image moves neither.
+
+FROM python:3.11-slim-bookworm AS wheel
+WORKDIR /src
+COPY pyproject.toml ./
+COPY shared ./shared
+COPY encoder_service ./encoder_service
+COPY llm_service ./llm_service
+COPY gateway ./gateway
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+# --- CPU: the transformers engine, for clusters without GPUs --------------------------------
+FROM python:3.11-slim-bookworm AS cpu
+ARG TORCH_VERSION=2.13.0
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HUB_OFFLINE=1
+RUN groupadd --gid 10001 app \
+    && useradd --uid 10001 --gid 10001 --home-dir /home/app --create-home --shell /usr/sbin/nologin app
+RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
+COPY --from=wheel /wheels /wheels
+RUN pip install /wheels/*.whl && rm -rf /wheels
+USER 10001:10001
+WORKDIR /home/app
+EXPOSE 50061 9090
+CMD ["python", "-m", "llm_service"]
+
+# --- GPU: vLLM's CUDA image (default target) ------------------------------------------------
+FROM vllm/vllm-openai:v0.32.0 AS gpu
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HUB_OFFLINE=1 \
+    VLLM_NO_USAGE_STATS=1 \
+    DO_NOT_TRACK=1 \
+    HOME=/home/app
+RUN groupadd --gid 10001 app \
+    && useradd --uid 10001 --gid 10001 --home-dir /home/app --create-home --shell /usr/sbin/nologin app
+COPY --from=wheel /wheels /wheels
+# Into the image's own Python, beside vLLM (PIP_BREAK_SYSTEM_PACKAGES: that Python may be marked
+# as system-managed; this image is the only user of it).
+RUN PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install /wheels/*.whl && rm -rf /wheels \
+    && python3 -c "import llm_service.server, shared.grpc_server"
+USER 10001:10001
+WORKDIR /home/app
+EXPOSE 50061 9090
+# The base image's entrypoint is vLLM's own HTTP server; this image serves llm_service's gRPC.
+ENTRYPOINT []
+CMD ["python3", "-m", "llm_service"]

@@ -1,0 +1,52 @@
+"""Semantic lint of rendered Kubernetes manifests: what the API schemas let through.
+
+`kubernetes-validate --strict` checks each document's shape. These rules check the documents
+against each other and against how the services behave (README settings, DESIGN.md): names,
+selectors, Service and probe ports, the gateway's routing (wiring.py); quantities, GPUs,
+secrets, shutdown timing, security context, service links, Redis and image tags (policy.py).
+
+Each rule takes every rendered document of one overlay and returns findings, one
+"Kind/name: problem" string each; no findings means clean.
+
+CLI: python -m deploy.lint [deploy/overlays/dev deploy/overlays/prod]
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+from deploy.lint.manifests import Doc
+from deploy.lint.policy import (
+    gpus,
+    images,
+    no_inline_secrets,
+    quantities,
+    redis,
+    security,
+    service_links,
+    termination,
+)
+from deploy.lint.wiring import names, probes, routing, selectors, service_targets
+
+Rule = Callable[[list[Doc]], list[str]]
+
+RULES: dict[str, Rule] = {
+    rule.__name__: rule
+    for rule in (names, selectors, service_targets, routing, probes, quantities, gpus,
+                 no_inline_secrets, termination, security, service_links, redis, images)
+}  # fmt: skip
+
+
+def lint(docs: list[Doc]) -> list[str]:
+    """Every rule's findings, each prefixed with the rule's name."""
+    return [f"{name}: {finding}" for name, rule in RULES.items() for finding in rule(docs)]
+
+
+def render(kustomization: Path) -> list[Doc]:
+    """`kubectl kustomize DIR` parsed into documents (needs kubectl and PyYAML)."""
+    import yaml
+
+    out = subprocess.run(["kubectl", "kustomize", str(kustomization)], check=True, capture_output=True, text=True).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]

@@ -1,0 +1,245 @@
+"""Rules on each workload's own settings: resources, GPUs, secrets, shutdown timing, security
+context, service links, Redis and image tags."""
+
+from __future__ import annotations
+
+import re
+
+from deploy.lint.manifests import (
+    Doc,
+    containers,
+    env,
+    env_value,
+    ident,
+    namespace,
+    of_kind,
+    parse_quantity,
+    pod_spec,
+    workloads,
+)
+
+DEFAULT_GRACE_S = 10.0  # *_GRACE_S default of both gRPC services (README)
+GRPC_SERVER_PREFIXES = ("ENCODER_", "LLM_")
+SECRET_ENV = re.compile(r"TOKEN|PASSWORD|PASSWD|SECRET|API_KEY|CREDENTIAL|PRIVATE_KEY", re.IGNORECASE)
+CREDENTIAL_URL = re.compile(r"://[^/\s:@]*:[^/\s@]+@")
+REDIS_UNITS = {"": 1, "k": 1000, "kb": 1024, "m": 10**6, "mb": 2**20, "g": 10**9, "gb": 2**30}
+
+
+def quantities(docs: list[Doc]) -> list[str]:
+    """Requests and limits for cpu and memory on every container, parseable, requests <= limits,
+    memory in bytes that make sense ("512m" is half a byte), emptyDir sizes that parse."""
+    found = []
+    for w in workloads(docs):
+        for c in containers(w):
+            found += _resource_findings(f"{ident(w)}/{c['name']}", c.get("resources", {}))
+        for vol in pod_spec(w).get("volumes", []):
+            size = vol.get("emptyDir", {}).get("sizeLimit") if vol.get("emptyDir") else None
+            if size is not None:
+                found += _memory_findings(f"{ident(w)}: volume {vol['name']} sizeLimit", size)
+    return found
+
+
+def _resource_findings(where: str, resources: Doc) -> list[str]:
+    found, parsed = [], {}
+    for section in ("requests", "limits"):
+        for resource in ("cpu", "memory"):
+            if resource not in resources.get(section, {}):
+                found.append(f"{where}: no {section}.{resource}")
+        for resource, value in resources.get(section, {}).items():
+            try:
+                parsed[section, resource] = parse_quantity(value)
+            except ValueError as error:
+                found.append(f"{where}: {section}.{resource}: {error}")
+            if resource == "memory":
+                found += _memory_findings(f"{where}: {section}.memory", value)
+    for (section, resource), amount in parsed.items():
+        limit = parsed.get(("limits", resource))
+        if section == "requests" and limit is not None and amount > limit:
+            request, limit_text = resources["requests"][resource], resources["limits"][resource]
+            found.append(f"{where}: requests.{resource} {request} > limits.{resource} {limit_text}")
+    return found
+
+
+def _memory_findings(where: str, value: object) -> list[str]:
+    try:
+        amount = parse_quantity(value)
+    except ValueError as error:
+        return [f"{where}: {error}"]
+    return [f"{where}: {value!r} is {amount} bytes; did you mean Mi/Gi?"] if amount < 2**20 else []
+
+
+def gpus(docs: list[Doc]) -> list[str]:
+    """GPUs in limits only, as whole numbers, and on exactly the containers told to use CUDA."""
+    found = []
+    for w in workloads(docs):
+        for c in containers(w):
+            where, res = f"{ident(w)}/{c['name']}", c.get("resources", {})
+            found += [f"{where}: {r} in requests; set GPUs in limits only" for r in res.get("requests", {}) if _is_gpu(r)]
+            gpu_limits = {r: v for r, v in res.get("limits", {}).items() if _is_gpu(r)}
+            for resource, value in gpu_limits.items():
+                if not (str(value).isdigit() and int(value) >= 1):
+                    found.append(f"{where}: limits.{resource}={value!r} is not a whole number of GPUs")
+            devices = [v for n, e in env(c).items() if n.endswith("_DEVICE") and (v := e.get("value"))]
+            wants_gpu = any(d.startswith("cuda") for d in devices)
+            if wants_gpu and not gpu_limits:
+                found.append(f"{where}: device {devices} but no GPU in limits")
+            if gpu_limits and devices and not wants_gpu:
+                found.append(f"{where}: holds a GPU but device is {devices}")
+    return found
+
+
+def _is_gpu(resource: str) -> bool:
+    return resource.endswith("/gpu")
+
+
+def no_inline_secrets(docs: list[Doc]) -> list[str]:
+    """No Secret carries data, secret-named env vars come from secretKeyRef, no credentials in
+    URLs, arguments or ConfigMaps."""
+    inline = [s for s in of_kind(docs, "Secret") if s.get("data") or s.get("stringData")]
+    found = [f"{ident(s)}: carries data inline; reference a Secret created out of band" for s in inline]
+    for cm in of_kind(docs, "ConfigMap"):
+        leaks = [key for key, value in cm.get("data", {}).items() if CREDENTIAL_URL.search(str(value))]
+        found += [f"{ident(cm)}: key {key} holds a credential URL" for key in leaks]
+    for w in workloads(docs):
+        for c in containers(w):
+            where = f"{ident(w)}/{c['name']}"
+            for name, entry in env(c).items():
+                if SECRET_ENV.search(name) and "secretKeyRef" not in entry.get("valueFrom", {}):
+                    found.append(f"{where}: {name} must come from a secretKeyRef")
+                if CREDENTIAL_URL.search(str(entry.get("value", ""))):
+                    found.append(f"{where}: {name} holds a URL with credentials")
+            words = [str(a) for a in (*c.get("command", []), *c.get("args", []))]
+            if any(CREDENTIAL_URL.search(a) or a.lstrip("-").lower() in ("requirepass", "masterauth") for a in words):
+                found.append(f"{where}: credentials on the command line")
+    return found
+
+
+def termination(docs: list[Doc]) -> list[str]:
+    """Serving containers pause in preStop, and the grace period outlasts pause + drain."""
+    found = []
+    for w in workloads(docs):
+        grace_period = pod_spec(w).get("terminationGracePeriodSeconds", 30)
+        for c in containers(w, init=False):
+            if not c.get("ports"):
+                continue
+            pre_stop = c.get("lifecycle", {}).get("preStop")
+            if not pre_stop:
+                found.append(f"{ident(w)}/{c['name']}: serves ports but has no preStop pause")
+                continue
+            needed = _pre_stop_seconds(pre_stop) + _drain_seconds(c)
+            if grace_period <= needed:
+                found.append(
+                    f"{ident(w)}: terminationGracePeriodSeconds {grace_period} <= preStop + drain ({needed:g}s) of {c['name']}"
+                )
+    return found
+
+
+def _pre_stop_seconds(pre_stop: Doc) -> float:
+    if "sleep" in pre_stop:
+        return float(pre_stop["sleep"]["seconds"])
+    command = " ".join(pre_stop.get("exec", {}).get("command", []))
+    match = re.search(r"\bsleep\s+(\d+(?:\.\d+)?)", command)
+    return float(match.group(1)) if match else 0.0
+
+
+def _drain_seconds(container: Doc) -> float:
+    values = env(container)
+    graces = [float(e["value"]) for n, e in values.items() if n.endswith("_GRACE_S") and "value" in e]
+    if graces:
+        return max(graces)
+    return DEFAULT_GRACE_S if any(n.startswith(GRPC_SERVER_PREFIXES) for n in values) else 0.0
+
+
+def security(docs: list[Doc]) -> list[str]:
+    """Non-root, no privilege escalation, all capabilities dropped, read-only root, seccomp."""
+    found = []
+    for w in workloads(docs):
+        spec = pod_spec(w)
+        pod = spec.get("securityContext", {})
+        found += [f"{ident(w)}: {key} is set" for key in ("hostNetwork", "hostPID", "hostIPC") if spec.get(key)]
+        found += [f"{ident(w)}: hostPath volume {v['name']}" for v in spec.get("volumes", []) if "hostPath" in v]
+        for c in containers(w):
+            ctx = c.get("securityContext", {})
+            where = f"{ident(w)}/{c['name']}"
+            if ctx.get("runAsNonRoot", pod.get("runAsNonRoot")) is not True:
+                found.append(f"{where}: runAsNonRoot is not true")
+            if ctx.get("runAsUser", pod.get("runAsUser")) == 0:
+                found.append(f"{where}: runs as uid 0")
+            if ctx.get("allowPrivilegeEscalation") is not False or ctx.get("privileged"):
+                found.append(f"{where}: may escalate privileges (set allowPrivilegeEscalation: false)")
+            if "ALL" not in ctx.get("capabilities", {}).get("drop", []) or ctx.get("capabilities", {}).get("add"):
+                found.append(f"{where}: capabilities are not drop [ALL]")
+            if ctx.get("readOnlyRootFilesystem") is not True:
+                found.append(f"{where}: root filesystem is writable")
+            if ctx.get("seccompProfile", pod.get("seccompProfile", {})).get("type") not in ("RuntimeDefault", "Localhost"):
+                found.append(f"{where}: no RuntimeDefault seccomp profile")
+    return found
+
+
+def service_links(docs: list[Doc]) -> list[str]:
+    """A ClusterIP Service named like a settings prefix injects <NAME>_PORT=tcp://... into pods
+    that keep service links on (Service `gateway` -> GATEWAY_PORT), breaking that setting."""
+    found = []
+    for w in workloads(docs):
+        if pod_spec(w).get("enableServiceLinks") is False:
+            continue
+        injected = {
+            s["metadata"]["name"].upper().replace("-", "_") + "_"
+            for s in of_kind(docs, "Service")
+            if namespace(s) == namespace(w) and s["spec"].get("clusterIP") != "None"
+        }
+        for c in containers(w):
+            prefixes = {n.split("_", 1)[0] + "_" for n in env(c) if "_" in n}
+            clashes = sorted(i for i in injected for p in prefixes if i.startswith(p))
+            if clashes:
+                where = f"{ident(w)}/{c['name']}"
+                found.append(f"{where}: service links inject {clashes[0]}PORT into its settings; set enableServiceLinks: false")
+    return found
+
+
+def redis(docs: list[Doc]) -> list[str]:
+    """Redis is a bounded LRU cache (maxmemory under the memory limit, allkeys-lru) and every
+    client writes keys with an explicit positive TTL."""
+    found = []
+    for w in workloads(docs):
+        for c in containers(w):
+            where = f"{ident(w)}/{c['name']}"
+            if c.get("image", "").rsplit("/", 1)[-1].startswith(("redis", "valkey")):
+                found += _redis_server_findings(where, c)
+            for name in (n for n in env(c) if n.endswith("_REDIS_URL")):
+                ttl_name = name.removesuffix("REDIS_URL") + "EMBEDDING_TTL_S"
+                ttl = env_value(c, ttl_name)
+                if ttl is None or not ttl.isdigit() or int(ttl) <= 0:
+                    found.append(f"{where}: uses Redis ({name}) without a positive {ttl_name}")
+    return found
+
+
+def _redis_server_findings(where: str, container: Doc) -> list[str]:
+    args = [str(a) for a in (*container.get("command", []), *container.get("args", []))]
+    option = {a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("--")}
+    found = []
+    if option.get("--maxmemory-policy") != "allkeys-lru":
+        found.append(f"{where}: --maxmemory-policy is {option.get('--maxmemory-policy')!r}, expected 'allkeys-lru'")
+    match = re.fullmatch(r"(\d+)([kmg]b?)?", option.get("--maxmemory", "").lower())
+    if not match or int(match.group(1)) == 0:
+        return [*found, f"{where}: no positive --maxmemory"]
+    limit = container.get("resources", {}).get("limits", {}).get("memory")
+    maxmemory = int(match.group(1)) * REDIS_UNITS[match.group(2) or ""]
+    try:
+        if limit is None or maxmemory >= parse_quantity(limit):
+            found.append(f"{where}: --maxmemory {option['--maxmemory']} is not below the memory limit {limit}")
+    except ValueError:
+        pass  # the quantities rule reports it
+    return found
+
+
+def images(docs: list[Doc]) -> list[str]:
+    """Every image is pinned by a tag or digest, never `latest`."""
+    found = []
+    for w in workloads(docs):
+        for c in containers(w):
+            image = c.get("image", "")
+            last = image.rsplit("/", 1)[-1]
+            if "@sha256:" not in image and (":" not in last or last.endswith(":latest")):
+                found.append(f"{ident(w)}/{c['name']}: image {image!r} has no pinned tag")
+    return found

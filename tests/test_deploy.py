@@ -1,0 +1,375 @@
+"""The Kubernetes deployment (deploy/): every overlay renders with `kubectl kustomize`, passes the
+API schemas strictly (kubernetes-validate) and the semantic lint (deploy/lint); dev and prod
+differ as documented; adding a fine-tune is one step; and every lint rule fails on a manifest
+broken the way it guards against."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import re
+import shutil
+from collections.abc import Callable
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deploy.add_finetune import add_finetune, finetune_kustomization
+from deploy.lint import RULES, lint, render
+from deploy.lint.manifests import containers, env, parse_quantity, workloads
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+OVERLAYS = ("dev", "prod")
+OLDEST_KUBERNETES = "1.30"  # native gRPC probes and the preStop sleep action
+FINETUNES = ("ft-a", "ft-b")
+Doc = dict[str, Any]
+
+
+@functools.cache
+def _render_cached(path: Path) -> tuple[Doc, ...]:
+    return tuple(render(path))
+
+
+def rendered(path: Path) -> list[Doc]:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed: cannot render the Kustomize overlays")
+    pytest.importorskip("yaml", reason="PyYAML parses the rendered manifests")
+    return copy.deepcopy(list(_render_cached(path)))
+
+
+def _by(docs: list[Doc], kind: str, name: str) -> Doc:
+    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def _secret_refs(docs: list[Doc]) -> list[Doc]:
+    return [e["valueFrom"]["secretKeyRef"] for w in workloads(docs) for c in containers(w)
+            for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})]  # fmt: skip
+
+
+# --- the overlays ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_passes_the_kubernetes_schemas_strictly(overlay: str) -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    docs = rendered(DEPLOY / "overlays" / overlay)
+    errors = []
+    for version in (OLDEST_KUBERNETES, kubernetes_validate.latest_version()):
+        for doc in docs:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as error:
+                where = f"{doc['kind']}/{doc['metadata']['name']} ({version})"
+                errors.append(f"{where}: {list(error.path)}: {error.message}")
+            except kubernetes_validate.SchemaNotFoundError as error:
+                errors.append(error.message)
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_passes_the_semantic_lint(overlay: str) -> None:
+    assert lint(rendered(DEPLOY / "overlays" / overlay)) == []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_serves_every_finetune_behind_one_gateway(overlay: str) -> None:
+    docs = rendered(DEPLOY / "overlays" / overlay)
+    routing = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("gateway-routing"))
+    assert sorted(json.loads(routing["data"]["models.json"])) == list(FINETUNES)
+    for name in FINETUNES:
+        served = env(containers(_by(docs, "Deployment", f"llm-{name}"), init=False)[0])
+        assert served["LLM_MODEL_NAME"]["value"] == name
+    gateway_kinds = {d["kind"] for d in docs if d["metadata"]["name"] == "gateway"}
+    assert gateway_kinds >= {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler"}
+
+
+def test_dev_runs_on_cpus_with_tiny_checkpoints_and_in_cluster_redis() -> None:
+    docs = rendered(DEPLOY / "overlays" / "dev")
+    limits = [c.get("resources", {}).get("limits", {}) for w in workloads(docs) for c in containers(w)]
+    assert not [resource for limit in limits for resource in limit if "gpu" in resource]
+    for name in ("encoder", *(f"llm-{f}" for f in FINETUNES)):
+        pod = _by(docs, "Deployment", name)["spec"]["template"]["spec"]
+        assert pod["initContainers"][0]["command"] == ["python", "-m", "shared.checkpoints", "--out", "/models"]
+        assert {"name": "models", "emptyDir": {"sizeLimit": "256Mi"}} in pod["volumes"]
+    llm = env(containers(_by(docs, "Deployment", "llm-ft-a"), init=False)[0])
+    settings = [llm[f"LLM_{name}"]["value"] for name in ("ENGINE", "DTYPE", "DEVICE")]
+    assert settings == ["transformers", "float32", "cpu"]
+    assert llm["LLM_REDIS_URL"]["value"] == "redis://redis.vlm.svc.cluster.local:6379/0"
+    redis_args = containers(_by(docs, "Deployment", "redis"))[0]["args"]
+    assert redis_args[:6] == ["--maxmemory", "384mb", "--maxmemory-policy", "allkeys-lru", "--save", ""]
+    # Dev needs no Secret: every reference is optional, and none is inlined.
+    assert all(ref.get("optional") is True for ref in _secret_refs(docs))
+    assert not [d for d in docs if d["kind"] == "Secret"]
+
+
+def test_prod_runs_on_gpus_with_external_redis_and_referenced_secrets() -> None:
+    docs = rendered(DEPLOY / "overlays" / "prod")
+    for name in ("encoder", *(f"llm-{f}" for f in FINETUNES)):
+        deployment = _by(docs, "Deployment", name)
+        container = containers(deployment, init=False)[0]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert deployment["spec"]["replicas"] >= 2
+        assert "initContainers" not in deployment["spec"]["template"]["spec"]
+        prefix = "ENCODER_" if name == "encoder" else "LLM_"
+        assert env(container)[f"{prefix}REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "vlm-redis", "key": "url"}
+        assert env(container)[f"{prefix}DTYPE"]["value"] == "bfloat16"
+    assert env(containers(_by(docs, "Deployment", "llm-ft-a"))[0])["LLM_ENGINE"]["value"] == "vllm"
+    assert not [w for w in workloads(docs) if w["metadata"]["name"] == "redis"]
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    assert _secret_refs(docs) and not [ref for ref in _secret_refs(docs) if ref.get("optional")]
+    assert _by(docs, "HorizontalPodAutoscaler", "gateway")["spec"]["minReplicas"] >= 2
+
+
+def test_adding_a_finetune_is_one_step(tmp_path: Path) -> None:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed: cannot render the Kustomize overlays")
+    copied = tmp_path / "deploy"
+    for part in ("base", "overlays"):
+        shutil.copytree(DEPLOY / part, copied / part)
+    add_finetune("ft-c", deploy=copied)
+    for overlay in OVERLAYS:
+        docs = rendered(copied / "overlays" / overlay)
+        assert lint(docs) == []
+        served = env(containers(_by(docs, "Deployment", "llm-ft-c"), init=False)[0])
+        assert served["LLM_CHECKPOINT"]["value"] == "/models/ft-c"
+        assert _by(docs, "Service", "llm-ft-c")["spec"]["clusterIP"] == "None"
+    with pytest.raises(SystemExit, match="already exists"):
+        add_finetune("ft-c", deploy=copied)
+    with pytest.raises(SystemExit, match="lowercase"):
+        add_finetune("Bad_Name", deploy=copied)
+
+
+@pytest.mark.parametrize("name", FINETUNES)
+def test_checked_in_finetunes_are_what_the_one_step_writes(name: str) -> None:
+    written = (DEPLOY / "base" / "finetunes" / name / "kustomization.yaml").read_text()
+    assert written == finetune_kustomization(name, f"/models/{name}")
+
+
+@pytest.mark.parametrize("service", ["encoder", "llm", "gateway"])
+def test_dockerfile_installs_the_project_and_runs_unprivileged(service: str) -> None:
+    text = (DEPLOY / "docker" / f"{service}.Dockerfile").read_text()
+    copied = set(re.findall(r"^COPY (?!--from)(\S+)", text, re.MULTILINE))
+    packages = {"shared", "encoder_service", "llm_service", "gateway"}
+    assert copied == packages | {"pyproject.toml"}
+    assert all((ROOT / path).exists() for path in copied)
+    users = re.findall(r"^USER (\d+):(\d+)$", text, re.MULTILINE)
+    assert users and all(int(uid) > 0 for uid, _ in users)
+    module = {"encoder": "encoder_service", "llm": "llm_service", "gateway": "gateway"}[service]
+    assert re.search(rf'^CMD \["python3?", "-m", "{module}"\]$', text, re.MULTILINE)
+    assert (ROOT / module / "__main__.py").is_file()
+
+
+# --- each lint rule fails on what it guards against ----------------------------------------
+
+
+def test_quantities_parse_like_kubernetes() -> None:
+    assert parse_quantity("500m") == Decimal("0.5")
+    assert parse_quantity("2Gi") == 2 * 2**30
+    assert parse_quantity("1e3") == 1000
+    assert parse_quantity(4) == 4
+    with pytest.raises(ValueError):
+        parse_quantity("2 GB")
+
+
+NS = "vlm"
+REDIS_URL = "redis://redis.vlm.svc.cluster.local:6379/0"
+
+
+def _server(name: str, port: tuple[str, int], settings: dict[str, str], probe: Doc) -> Doc:
+    return {
+        "name": name,
+        "image": f"example/{name}:1.0",
+        "ports": [{"name": port[0], "containerPort": port[1]}],
+        "env": [{"name": k, "value": v} for k, v in settings.items()],
+        "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 60},
+        "readinessProbe": probe,
+        "livenessProbe": probe,
+        "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
+        "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "2Gi"}},
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}},
+    }
+
+
+def _workload(name: str, container: Doc, replicas: int | None = 1) -> list[Doc]:
+    """Deployment, Service (headless for gRPC) and PDB around one container."""
+    meta = {"name": name, "namespace": NS}
+    pod = {
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+    }
+    spec = {"selector": {"matchLabels": {"app": name}}, "template": {"metadata": {"labels": {"app": name}}, "spec": pod}}
+    if replicas:
+        spec["replicas"] = replicas
+    port = container["ports"][0]
+    service_spec = {
+        "selector": {"app": name},
+        "ports": [{"name": port["name"], "port": port["containerPort"], "targetPort": port["name"]}],
+    }
+    if port["name"] == "grpc":
+        service_spec["clusterIP"] = "None"
+    return [
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": spec},
+        {"apiVersion": "v1", "kind": "Service", "metadata": dict(meta), "spec": service_spec},
+        {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": dict(meta),
+         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"app": name}}}},
+    ]  # fmt: skip
+
+
+def _stack() -> list[Doc]:
+    """A small lint-clean stack: encoder, one LLM service on a GPU, gateway with HPA, Redis."""
+    encoder = _server("encoder", ("grpc", 50051), {
+        "ENCODER_CHECKPOINT": "/models/base", "ENCODER_PORT": "50051",
+        "ENCODER_REDIS_URL": REDIS_URL, "ENCODER_EMBEDDING_TTL_S": "86400"}, {"grpc": {"port": 50051}})  # fmt: skip
+    llm = _server("llm", ("grpc", 50061), {
+        "LLM_MODEL_NAME": "ft-a", "LLM_CHECKPOINT": "/models/ft-a", "LLM_PORT": "50061", "LLM_DEVICE": "cuda",
+        "LLM_REDIS_URL": REDIS_URL, "LLM_EMBEDDING_TTL_S": "86400"}, {"grpc": {"port": 50061}})  # fmt: skip
+    llm["resources"]["limits"]["nvidia.com/gpu"] = 1
+    gateway = _server("gateway", ("http", 8000), {"GATEWAY_PORT": "8000"}, {"httpGet": {"path": "/livez", "port": "http"}})
+    gateway["env"] += [
+        {"name": "GATEWAY_MODELS", "valueFrom": {"configMapKeyRef": {"name": "routing", "key": "models.json"}}},
+        {"name": "GATEWAY_ENCODER_TARGET", "valueFrom": {"configMapKeyRef": {"name": "routing", "key": "encoder"}}},
+        {"name": "GATEWAY_API_KEYS", "valueFrom": {"secretKeyRef": {"name": "keys", "key": "api_keys"}}},
+    ]
+    redis = _server("redis", ("redis", 6379), {}, {"tcpSocket": {"port": 6379}})
+    redis["args"] = ["--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru", "--save", ""]
+    routes = {"ft-a": ["dns:///llm-ft-a.vlm.svc.cluster.local:50061"]}
+    routing = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "routing", "namespace": NS},
+               "data": {"models.json": json.dumps(routes), "encoder": "dns:///encoder.vlm.svc.cluster.local:50051"}}  # fmt: skip
+    cpu_target = {"type": "Utilization", "averageUtilization": 70}
+    hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": "gateway", "namespace": NS},
+           "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "gateway"}, "minReplicas": 2,
+                    "maxReplicas": 4, "metrics": [{"type": "Resource", "resource": {"name": "cpu", "target": cpu_target}}]}}  # fmt: skip
+    workloads_ = [("encoder", encoder, 1), ("llm-ft-a", llm, 1), ("gateway", gateway, None), ("redis", redis, 1)]
+    return [doc for name, container, replicas in workloads_ for doc in _workload(name, container, replicas)] + [routing, hpa]
+
+
+def _pod(docs: list[Doc], name: str) -> Doc:
+    return _by(docs, "Deployment", name)["spec"]["template"]["spec"]
+
+
+def _ctr(docs: list[Doc], name: str) -> Doc:
+    return _pod(docs, name)["containers"][0]
+
+
+def _res(docs: list[Doc], name: str, section: str) -> Doc:
+    return _ctr(docs, name)["resources"][section]
+
+
+def _sec(docs: list[Doc], name: str) -> Doc:
+    return _ctr(docs, name)["securityContext"]
+
+
+def _redis_args(docs: list[Doc], *args: str) -> None:
+    _ctr(docs, "redis")["args"] = list(args)
+
+
+def _spec(docs: list[Doc], kind: str, name: str) -> Doc:
+    return _by(docs, kind, name)["spec"]
+
+
+def _data(docs: list[Doc]) -> Doc:
+    return _by(docs, "ConfigMap", "routing")["data"]
+
+
+def _set_env(docs: list[Doc], workload: str, name: str, entry: Doc | None) -> None:
+    container = _ctr(docs, workload)
+    container["env"] = [e for e in container["env"] if e["name"] != name] + ([{"name": name, **entry}] if entry else [])
+
+
+def _route(target: str) -> Callable[[list[Doc]], None]:
+    return lambda docs: _data(docs).update({"models.json": json.dumps({"ft-a": [target]})})
+
+
+def _one_pdb_for_two(docs: list[Doc]) -> None:
+    for name in ("encoder", "llm-ft-a"):
+        _by(docs, "Deployment", name)["spec"]["template"]["metadata"]["labels"]["tier"] = "backend"
+    _spec(docs, "PodDisruptionBudget", "encoder")["selector"] = {"matchLabels": {"tier": "backend"}}
+
+
+Breakage = Callable[[list[Doc]], object]
+SECRET_DOC = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "t", "namespace": NS}, "stringData": {"token": "x"}}
+CM_TOKEN = {"valueFrom": {"configMapKeyRef": {"name": "routing", "key": "t"}}}
+
+# (rule, text one of its findings must contain, how to break the small stack)
+BREAKAGES: list[tuple[str, str, Breakage]] = [
+    ("names", "not a DNS-1123 label", lambda d: _by(d, "Service", "encoder")["metadata"].update(name="Encoder_svc")),
+    ("names", "set more than once", lambda d: _ctr(d, "encoder")["env"].append({"name": "ENCODER_PORT", "value": "1"})),
+    ("names", "not an IANA service name", lambda d: _ctr(d, "redis")["ports"][0].update(name="redis-cache-port-x")),
+    ("names", "defined 2 times", lambda d: d.append(copy.deepcopy(_by(d, "Service", "encoder")))),
+    ("selectors", "does not match its pod template", lambda d: _spec(d, "Deployment", "encoder").update(selector={"matchLabels": {}})),
+    ("selectors", "matches 0 workloads", lambda d: _spec(d, "Service", "llm-ft-a").update(selector={"app": "llm"})),
+    ("selectors", "matches 2 workloads", _one_pdb_for_two),
+    ("selectors", "no PodDisruptionBudget", lambda d: d.remove(_by(d, "PodDisruptionBudget", "llm-ft-a"))),
+    ("selectors", "resets the HPA", lambda d: _spec(d, "Deployment", "gateway").update(replicas=3)),
+    ("selectors", "does not exist", lambda d: _spec(d, "HorizontalPodAutoscaler", "gateway")["scaleTargetRef"].update(name="gw")),
+    ("selectors", "does not request cpu", lambda d: _res(d, "gateway", "requests").pop("cpu")),
+    ("service_targets", "'grcp' is not a container port", lambda d: _spec(d, "Service", "encoder")["ports"][0].update(targetPort="grcp")),
+    ("service_targets", "6380 is not a container port", lambda d: _spec(d, "Service", "redis")["ports"][0].update(targetPort=6380)),
+    ("routing", "is not headless", lambda d: _spec(d, "Service", "llm-ft-a").pop("clusterIP")),
+    ("routing", "sets LLM_MODEL_NAME=['ft-b']", lambda d: _set_env(d, "llm-ft-a", "LLM_MODEL_NAME", {"value": "ft-b"})),
+    ("routing", "has no port 50062", _route("dns:///llm-ft-a.vlm.svc.cluster.local:50062")),
+    ("routing", "no Service llm-ft-a in namespace prod", _route("dns:///llm-ft-a.prod.svc.cluster.local:50061")),
+    ("routing", "is not dns:///", _route("llm-ft-a:50061")),
+    ("routing", "which the gateway does not route", lambda d: _data(d).update({"models.json": "{}"})),
+    ("routing", "sets ENCODER_CHECKPOINT=[]", lambda d: _data(d).update(encoder="dns:///llm-ft-a.vlm.svc.cluster.local:50061")),
+    ("routing", "has no key 'encoder'", lambda d: _data(d).pop("encoder")),
+    ("probes", "port 50052 is not a declared", lambda d: _ctr(d, "encoder")["readinessProbe"].update(grpc={"port": 50052})),
+    ("probes", "no livenessProbe", lambda d: _ctr(d, "gateway").pop("livenessProbe")),
+    ("probes", "startupProbe allows 30s", lambda d: _ctr(d, "llm-ft-a")["startupProbe"].update(failureThreshold=3)),
+    ("probes", "LLM_PORT=50062 but no containerPort", lambda d: _set_env(d, "llm-ft-a", "LLM_PORT", {"value": "50062"})),
+    ("quantities", "did you mean Mi/Gi", lambda d: _res(d, "encoder", "limits").update(memory="512m")),
+    ("quantities", "'lots' is not a quantity", lambda d: _res(d, "encoder", "requests").update(cpu="lots")),
+    ("quantities", "requests.memory 4Gi > limits.memory 2Gi", lambda d: _res(d, "gateway", "requests").update(memory="4Gi")),
+    ("quantities", "no limits.cpu", lambda d: _res(d, "redis", "limits").pop("cpu")),
+    ("quantities", "sizeLimit: 64 is 64 bytes", lambda d: _pod(d, "redis").update(volumes=[{"name": "v", "emptyDir": {"sizeLimit": 64}}])),
+    ("gpus", "in requests; set GPUs in limits only", lambda d: _res(d, "llm-ft-a", "requests").update({"nvidia.com/gpu": 1})),
+    ("gpus", "no GPU in limits", lambda d: _res(d, "llm-ft-a", "limits").pop("nvidia.com/gpu")),
+    ("gpus", "not a whole number of GPUs", lambda d: _res(d, "llm-ft-a", "limits").update({"nvidia.com/gpu": "500m"})),
+    ("gpus", "holds a GPU but device is ['cpu']", lambda d: _set_env(d, "llm-ft-a", "LLM_DEVICE", {"value": "cpu"})),
+    ("no_inline_secrets", "Secret/t: carries data inline", lambda d: d.append(copy.deepcopy(SECRET_DOC))),
+    ("no_inline_secrets", "GATEWAY_API_KEYS must come from", lambda d: _set_env(d, "gateway", "GATEWAY_API_KEYS", {"value": "[]"})),
+    ("no_inline_secrets", "LLM_GRPC_TOKEN must come from a secretKeyRef", lambda d: _set_env(d, "llm-ft-a", "LLM_GRPC_TOKEN", CM_TOKEN)),
+    ("no_inline_secrets", "URL with credentials", lambda d: _set_env(d, "encoder", "ENCODER_REDIS_URL", {"value": "rediss://:pw@r:6380"})),
+    ("no_inline_secrets", "credentials on the command line", lambda d: _ctr(d, "redis")["args"].extend(["--requirepass", "pw"])),
+    ("no_inline_secrets", "key url holds a credential URL", lambda d: _data(d).update(url="redis://u:p@r:6379")),
+    ("termination", "12 <= preStop + drain (15s)", lambda d: _pod(d, "encoder").update(terminationGracePeriodSeconds=12)),
+    ("termination", "preStop + drain (65s) of llm", lambda d: _set_env(d, "llm-ft-a", "LLM_GRACE_S", {"value": "60"})),
+    ("termination", "no preStop pause", lambda d: _ctr(d, "gateway").pop("lifecycle")),
+    ("security", "runs as uid 0", lambda d: _sec(d, "encoder").update(runAsUser=0)),
+    ("security", "runAsNonRoot is not true", lambda d: _pod(d, "gateway")["securityContext"].pop("runAsNonRoot")),
+    ("security", "may escalate privileges", lambda d: _sec(d, "llm-ft-a").update(allowPrivilegeEscalation=True)),
+    ("security", "capabilities are not drop [ALL]", lambda d: _sec(d, "redis")["capabilities"].update(drop=["NET_RAW"])),
+    ("security", "root filesystem is writable", lambda d: _sec(d, "redis").pop("readOnlyRootFilesystem")),
+    ("security", "no RuntimeDefault seccomp", lambda d: _pod(d, "redis")["securityContext"].pop("seccompProfile")),
+    ("security", "hostPath volume m", lambda d: _pod(d, "encoder").update(volumes=[{"name": "m", "hostPath": {"path": "/m"}}])),
+    ("service_links", "inject GATEWAY_PORT", lambda d: _pod(d, "gateway").pop("enableServiceLinks")),
+    ("redis", "expected 'allkeys-lru'", lambda d: _redis_args(d, "--maxmemory", "100mb", "--maxmemory-policy", "noeviction")),
+    ("redis", "no positive --maxmemory", lambda d: _redis_args(d, "--maxmemory-policy", "allkeys-lru")),
+    ("redis", "is not below the memory limit", lambda d: _redis_args(d, "--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru")),
+    ("redis", "without a positive ENCODER_EMBEDDING_TTL_S", lambda d: _set_env(d, "encoder", "ENCODER_EMBEDDING_TTL_S", None)),
+    ("images", "'example/encoder' has no pinned tag", lambda d: _ctr(d, "encoder").update(image="example/encoder")),
+    ("images", "'registry:5000/gw:latest' has no pinned tag", lambda d: _ctr(d, "gateway").update(image="registry:5000/gw:latest")),
+]  # fmt: skip
+
+
+def test_the_small_stack_is_clean() -> None:
+    assert lint(_stack()) == []
+
+
+def test_every_rule_has_a_breaking_case() -> None:
+    assert {rule for rule, _, _ in BREAKAGES} == set(RULES)
+
+
+@pytest.mark.parametrize(("rule", "expected", "breakage"), BREAKAGES, ids=[f"{r}-{i}" for i, (r, _, _) in enumerate(BREAKAGES)])
+def test_rule_finds_the_breakage(rule: str, expected: str, breakage: Breakage) -> None:
+    docs = _stack()
+    assert RULES[rule](docs) == []
+    breakage(docs)
+    findings = RULES[rule](docs)
+    assert any(expected in finding for finding in findings), findings
