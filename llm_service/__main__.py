@@ -19,7 +19,7 @@ async def main() -> None:
     server = await start_llm_server(settings)
     logging.getLogger(__name__).info("model %s ready on port %d", settings.model_name, server.port)
     await serve_until_signal(server.running, settings.grace_s)
-    await server.core.store.aclose()
+    await server.stop()
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ misbehave on a bad shape (DESIGN.md, Engines).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -35,9 +36,14 @@ class LLMCore:
     async def generate(self, request: ChatRequest) -> AsyncIterator[GenerationDelta]:
         """Streams the engine's deltas for a validated request."""
         if request.model != self.model_name:
-            raise ModelNotFound(f"model {clip(request.model)!r} is not served here (this service serves {self.model_name!r})", param="model")
+            raise ModelNotFound(
+                f"model {clip(request.model)!r} is not served here (this service serves {self.model_name!r})",
+                param="model",
+            )
         blobs = await self._resolve_images(request.images)
-        turns = [ChatTurn(m.role, [p if isinstance(p, str) else ImageSlot() for p in m.parts]) for m in request.messages]
+        turns = [
+            ChatTurn(m.role, [p if isinstance(p, str) else ImageSlot() for p in m.parts]) for m in request.messages
+        ]
         try:
             prompt_ids = self.prompt_builder.build(turns, [blob.num_tokens for blob in blobs])
         except ValueError as error:
@@ -49,6 +55,7 @@ class LLMCore:
             image_embeds=[b.embeds for b in blobs],
             image_grid_thw=grid,
             sampling=request.sampling,
+            image_uuids=[_image_uuid(image) for image in request.images],
         )
         async for delta in self.engine.generate(engine_request):
             yield delta
@@ -91,3 +98,10 @@ class LLMCore:
                 raise InvalidEmbedding(f"{where} {index} must hold exactly one image (grid_thw [1, 3])", param="image")
             decoded.append(blob)
         return decoded
+
+
+def _image_uuid(image: ImageInput) -> str:
+    """A stable id for an engine's prefix cache: the key names its content; inline blobs are hashed."""
+    if image.key is not None:
+        return image.key
+    return "inline:sha256:" + hashlib.sha256(image.blob or b"").hexdigest()

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import grpc
-import torch
 from transformers import AutoConfig
 
 from llm_service.blob_cache import BlobCache
 from llm_service.core import LLMCore
-from llm_service.engines.transformers_engine import TransformersEngine
+from llm_service.engines.factory import load_engine, resolve_engine_name
 from llm_service.prompt import PromptBuilder
 from llm_service.requests import SamplingLimits
 from llm_service.servicer import LLMServicer
@@ -35,13 +35,17 @@ class LLMServer:
         return self.running.port
 
     async def stop(self, grace_s: float = 0) -> None:
+        """Drains RPCs, then releases the store and the engine (vLLM's engine process too)."""
         await self.running.stop(grace_s)
         await self.core.store.aclose()
+        await asyncio.to_thread(self.core.engine.close)
 
 
 def build_core(settings: LLMSettings) -> LLMCore:
     checkpoint = resolve_checkpoint(settings.checkpoint)
-    engine = TransformersEngine.load(str(checkpoint), settings.device, getattr(torch, settings.dtype))
+    engine = load_engine(
+        settings.engine, checkpoint, settings.device, settings.dtype, settings.max_model_len, settings.kv_cache_gib
+    )
     merge_size = AutoConfig.from_pretrained(checkpoint).vision_config.spatial_merge_size
     accepted = settings.accepted_encoder_ids or [compute_encoder_id(checkpoint)]
     rules = BlobRules(merge_size, engine.hidden_size, frozenset(accepted))
@@ -64,7 +68,8 @@ async def start_llm_server(settings: LLMSettings, core: LLMCore | None = None) -
     limits = SamplingLimits(settings.default_max_tokens, settings.max_tokens_limit)
 
     def register(server: grpc.aio.Server) -> None:
-        llm_pb2_grpc.add_LLMServiceServicer_to_server(LLMServicer(core, limits, settings.engine), server)
+        servicer = LLMServicer(core, limits, resolve_engine_name(settings.engine))
+        llm_pb2_grpc.add_LLMServiceServicer_to_server(servicer, server)
 
     running = await start_server(
         register,

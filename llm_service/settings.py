@@ -16,7 +16,11 @@ class LLMSettings(StoreSettings, GrpcServerSettings):
     checkpoint: str = Field(..., description="Qwen2-VL checkpoint dir (or hub id) of this fine-tune.")
     model_name: str = Field(..., description="Name clients use in `model`.")
     port: int = Field(50061, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
-    engine: Literal["transformers"] = Field("transformers", description="Decoding engine.")
+    engine: Literal["auto", "vllm", "transformers"] = Field(
+        "auto", description="Decoding engine: vllm, transformers (exact reference), or auto (vllm where it imports)."
+    )
+    max_model_len: int = Field(4096, gt=0, description="vLLM: most prompt + completion tokens per request.")
+    kv_cache_gib: float | None = Field(None, gt=0, description="vLLM: KV cache size in GiB; unset = vLLM's default.")
     device: str = Field("cpu", description="torch device (cpu, cuda, cuda:1).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Language model dtype.")
     accepted_encoder_ids: list[str] = Field(

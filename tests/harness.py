@@ -27,6 +27,10 @@ from llm_service.server import LLMServer, start_llm_server
 from llm_service.settings import LLMSettings
 
 T = TypeVar("T")
+# ft-a decodes with vLLM where it is installed (the production engine), ft-b with the
+# transformers reference engine, so every end-to-end test covers both engines.
+ENGINES = {"ft-a": "auto", "ft-b": "transformers"}
+VLLM_LIMITS = {"max_model_len": 2048, "kv_cache_gib": 1.0}
 
 
 def free_port() -> int:
@@ -149,7 +153,8 @@ async def start_stack(checkpoints: dict[str, Path], redis_server: RedisServer, m
     )
     llms = {}
     for name in models:
-        llms[name] = await start_llm_server(LLMSettings(checkpoint=str(checkpoints[name]), model_name=name, **common))
+        settings = LLMSettings(checkpoint=str(checkpoints[name]), model_name=name, engine=ENGINES[name], **VLLM_LIMITS, **common)
+        llms[name] = await start_llm_server(settings)
     app = create_app(gateway_settings_for(encoder, llms))
     uvicorn_server, port = await start_gateway(app)
     return Stack(encoder, llms, port, uvicorn_server, redis_server, app)

@@ -151,23 +151,25 @@ def test_gateway_re_encodes_once_when_a_key_vanishes_before_generate(stack: Stac
     assert stats.stats().images_encoded - before == 2  # encoded, evicted, encoded again by the one retry
 
 
-def test_bad_blobs_are_rejected_before_the_engine_and_service_keeps_answering(stack: Stack) -> None:
+@pytest.mark.parametrize("model", ["ft-a", "ft-b"])  # ft-a runs vLLM where installed, which dies on bad shapes
+def test_bad_blobs_are_rejected_before_the_engine_and_service_keeps_answering(stack: Stack, model: str) -> None:
     encoder_id = EncoderClient(stack.encoder_target).stats().encoder_id
     grid = torch.tensor([[1, 4, 4]])
     cases = [
         (EmbeddingBlob(torch.randn(4, HIDDEN), grid, "qwen2vl-other"), IncompatibleEncoder, "qwen2vl-other"),
         (EmbeddingBlob(torch.randn(4, 64), grid, encoder_id), InvalidEmbedding, "hidden size"),
         (EmbeddingBlob(torch.randn(5, HIDDEN), grid, encoder_id), InvalidEmbedding, "implies 4"),
+        (EmbeddingBlob(torch.randn(1, 4, HIDDEN), grid, encoder_id), InvalidEmbedding, "2-D"),
     ]
-    with LLMClient(stack.llm_target("ft-b")) as llm:
+    with LLMClient(stack.llm_target(model)) as llm:
         for blob, error_class, message in cases:
             with pytest.raises(error_class, match=message):
-                list(llm.generate("ft-b", [Message("user", [InlineEmbedding(_unchecked_blob(blob)), "hi"])]))
+                list(llm.generate(model, [Message("user", [InlineEmbedding(_unchecked_blob(blob)), "hi"])]))
         good = EmbeddingBlob(torch.randn(4, HIDDEN), grid, encoder_id)
         rules = BlobRules(2, HIDDEN, frozenset({encoder_id}))
         chunks = list(
             llm.generate(
-                "ft-b", [Message("user", [InlineEmbedding(encode_blob(good, rules)), "hi"])], Sampling(max_tokens=3)
+                model, [Message("user", [InlineEmbedding(encode_blob(good, rules)), "hi"])], Sampling(max_tokens=3)
             )
         )
     assert chunks[-1].finish_reason in ("stop", "length")

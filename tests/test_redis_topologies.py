@@ -131,7 +131,9 @@ def test_end_to_end_against_the_cluster_matches_single_redis(
         assert tokens[0] == tokens[1] and tokens[0]
     finally:
         background_loop.run(encoder.stop())
-        background_loop.run(llm.stop())
+        # Not llm.stop(): that would also close ft-b's engine, which this server only borrows.
+        background_loop.run(llm.running.stop(0))
+        background_loop.run(llm_core.store.aclose())
 
 
 def test_sentinel_url_reaches_the_monitored_primary(redis_server: RedisServer, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import http.server
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -140,3 +141,23 @@ def test_health_and_reflection_on_both_servers(stack: Stack) -> None:
                 reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(iter([request]), timeout=5)
             )
             assert service in [s.name for s in reply.list_services_response.service]
+
+
+def test_a_client_that_goes_away_cancels_its_request_in_the_engine(stack: Stack) -> None:
+    engine = stack.llms["ft-a"].core.engine
+    if not hasattr(engine, "num_unfinished_requests"):
+        pytest.skip("ft-a is not served by vLLM here (vLLM not installed)")
+
+    async def leave_early() -> None:
+        async with AsyncLLMClient(stack.llm_target("ft-a")) as llm:
+            # ~2000 tokens would take seconds to finish on their own; the abort must come much sooner.
+            stream = llm.generate("ft-a", [Message("user", ["tell me everything"])], Sampling(max_tokens=1990))
+            await anext(stream)
+            await stream.aclose()  # the client goes away after the first chunk
+
+    asyncio.run(leave_early())
+    left_at = time.monotonic()
+    while engine.num_unfinished_requests() and time.monotonic() - left_at < 10:
+        time.sleep(0.02)
+    assert engine.num_unfinished_requests() == 0
+    assert time.monotonic() - left_at < 2.0, "the request ran on after its client left"

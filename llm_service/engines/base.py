@@ -47,6 +47,8 @@ class EngineRequest:
     prompt_token_ids: rendered prompt with each image's pad token already expanded to its rows.
     image_embeds: one [rows, hidden] tensor per image, in prompt order.
     image_grid_thw: [n_images, 3] int64 (n may be 0).
+    image_uuids: one stable id per image (its blob key), so an engine with a prefix cache can
+    reuse an image's KV blocks across requests; None lets the engine hash the embeddings itself.
     """
 
     request_id: str
@@ -54,6 +56,39 @@ class EngineRequest:
     image_embeds: list[torch.Tensor]
     image_grid_thw: torch.Tensor
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    image_uuids: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """What an engine's model accepts; checked before any request reaches it."""
+
+    vocab_size: int
+    hidden_size: int
+    image_token_id: int
+    merge_size: int
+
+
+def validate_request(request: EngineRequest, shape: EngineShape) -> None:
+    """Raises ValueError unless the request fits the model. Engines call this first: vLLM crashes
+    its engine process on a rank-3 or wrong-width embedding, transformers fails deep inside generate."""
+    ids = request.prompt_token_ids
+    if not ids:
+        raise ValueError("prompt is empty")
+    if min(ids) < 0 or max(ids) >= shape.vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {shape.vocab_size})")
+    count, grid = len(request.image_embeds), request.image_grid_thw
+    if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] != count:
+        raise ValueError(f"image_grid_thw must be [{count}, 3], got {list(grid.shape)}")
+    if request.image_uuids is not None and len(request.image_uuids) != count:
+        raise ValueError(f"{len(request.image_uuids)} image uuids for {count} images")
+    for index, (embeds, thw) in enumerate(zip(request.image_embeds, grid, strict=True)):
+        rows = int(thw.prod()) // shape.merge_size**2
+        if embeds.ndim != 2 or tuple(embeds.shape) != (rows, shape.hidden_size):
+            raise ValueError(f"image {index}: embeddings {list(embeds.shape)}, expected {[rows, shape.hidden_size]}")
+    pads, total = ids.count(shape.image_token_id), sum(e.shape[0] for e in request.image_embeds)
+    if pads != total:
+        raise ValueError(f"prompt has {pads} image pad tokens but the images have {total} rows")
 
 
 @dataclass
@@ -79,4 +114,8 @@ class Engine(Protocol):
     # an AsyncIterator directly (an `async def` here would type it as a coroutine).
     def generate(self, request: EngineRequest) -> AsyncIterator[GenerationDelta]:
         """Stream deltas for one request; closing the iterator cancels the generation."""
+        ...
+
+    def close(self) -> None:
+        """Releases the model (and any engine process); the engine is unusable afterwards."""
         ...

@@ -25,7 +25,15 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from llm_service.engines.base import Engine, EngineRequest, FinishReason, GenerationDelta, SamplingParams
+from llm_service.engines.base import (
+    Engine,
+    EngineRequest,
+    EngineShape,
+    FinishReason,
+    GenerationDelta,
+    SamplingParams,
+    validate_request,
+)
 
 _DONE = object()  # end-of-stream marker on the queue
 Emit = Callable[[object], None]
@@ -121,6 +129,7 @@ class TransformersEngine(Engine):
         self.model = model
         self.tokenizer = tokenizer
         self.hidden_size: int = model.config.text_config.hidden_size
+        self.vocab_size: int = model.config.text_config.vocab_size
         self.image_token_id: int = model.config.image_token_id
         self.merge_size: int = model.config.vision_config.spatial_merge_size
         self.eos_ids = _eos_ids(model, tokenizer)
@@ -219,24 +228,7 @@ class TransformersEngine(Engine):
         )
 
     def _validate(self, request: EngineRequest) -> None:
-        """Cheap shape checks, so a bad request fails here and not inside the worker."""
-        if not request.prompt_token_ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model.config.text_config.vocab_size
-        if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        grid = request.image_grid_thw
-        if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] != len(request.image_embeds):
-            raise ValueError(f"image_grid_thw must be [{len(request.image_embeds)}, 3], got {list(grid.shape)}")
-        for index, (embeds, thw) in enumerate(zip(request.image_embeds, grid)):
-            rows = int(thw.prod()) // self.merge_size**2
-            if embeds.ndim != 2 or embeds.shape != (rows, self.hidden_size):
-                expected = [rows, self.hidden_size]
-                raise ValueError(f"image {index}: embeddings {list(embeds.shape)}, expected {expected}")
-        pads = request.prompt_token_ids.count(self.image_token_id)
-        total = sum(e.shape[0] for e in request.image_embeds)
-        if pads != total:
-            raise ValueError(f"prompt has {pads} image pad tokens but the images have {total} rows")
+        validate_request(request, EngineShape(self.vocab_size, self.hidden_size, self.image_token_id, self.merge_size))
 
 
 def _eos_ids(model: Qwen2VLForConditionalGeneration, tokenizer: PreTrainedTokenizerBase) -> set[int]:

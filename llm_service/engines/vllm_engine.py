@@ -1,0 +1,218 @@
+"""Fast engine: vLLM's async engine in-process, fed with stored image embeddings.
+
+vLLM brings continuous batching, the paged KV cache and prefix caching. Each image travels as
+multimodal data (`image_embeds` [rows, hidden] concatenated over the images, `image_grid_thw`
+[n, 3]) with the blob key as its uuid, so a second question on the same image reuses the cached
+prefix. With every modality limit at 0 and `enable_mm_embeds`, vLLM builds the vision tower on the
+meta device and never loads its weights: this engine only ever receives embeddings.
+
+vLLM's Qwen2-VL processor always expands each `<|image_pad|>` of a token prompt into the image's
+rows; it has no "already expanded" check. Our prompts arrive expanded (prompt.py), so each image's
+run of pads is collapsed back to one pad before vLLM sees it, or vLLM would make it 2*rows-1 pads
+and every position after the first image would shift.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase, Qwen2VLConfig
+from vllm import SamplingParams as VLLMSamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import VLLMClientError
+from vllm.inputs import TokensPrompt
+from vllm.outputs import CompletionOutput
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from llm_service.engines.base import (
+    Engine,
+    EngineRequest,
+    EngineShape,
+    FinishReason,
+    GenerationDelta,
+    SamplingParams,
+    validate_request,
+)
+
+_GIB = 1 << 30
+
+
+class VLLMEngine(Engine):
+    def __init__(
+        self, engine: AsyncLLM, tokenizer: PreTrainedTokenizerBase, config: Qwen2VLConfig, eos_ids: set[int]
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.hidden_size: int = config.text_config.hidden_size
+        self.vocab_size: int = config.text_config.vocab_size
+        self.image_token_id: int = config.image_token_id
+        self.merge_size: int = config.vision_config.spatial_merge_size
+        self.eos_ids = eos_ids
+
+    @classmethod
+    def load(
+        cls, checkpoint: str, dtype: str = "float32", max_model_len: int = 4096, kv_cache_gib: float | None = None,
+    ) -> VLLMEngine:  # fmt: skip
+        """Starts vLLM's engine process for a local checkpoint (tens of seconds).
+
+        dtype: "float32" is token-exact with the transformers engine; "bfloat16" is faster and drifts.
+        max_model_len: prompt plus completion tokens, per request.
+        kv_cache_gib: KV cache size; None leaves vLLM's default (on CPU, VLLM_CPU_KVCACHE_SPACE or
+        a share of RAM).
+        """
+        path = Path(checkpoint)
+        args = AsyncEngineArgs(
+            model=str(path),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            enable_prefix_caching=True,
+            enable_mm_embeds=True,
+            # 0 per modality + enable_mm_embeds: embeddings only, vision tower weights never loaded.
+            limit_mm_per_prompt={"image": 0, "video": 0},
+            # Every sampling knob comes from the request: the checkpoint's generation_config.json
+            # (Qwen2-VL ships top_k=1, repetition_penalty=1.05) must not leak in. Eos ids are set
+            # explicitly per request instead.
+            generation_config="vllm",
+            kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * _GIB),
+        )
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
+        eos_ids = _eos_ids(path, config, tokenizer)
+        return cls(AsyncLLM.from_engine_args(args), tokenizer, config, eos_ids)
+
+    def close(self) -> None:
+        """Stops the engine process; blocks for a few seconds."""
+        self.engine.shutdown()
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)  # shutdown waits on the engine process; keep the loop free
+
+    def num_unfinished_requests(self) -> int:
+        return self.engine.get_num_unfinished_requests()
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[GenerationDelta]:
+        self._validate(request)
+        # Client ids may repeat; vLLM needs one id per live request to route outputs and aborts.
+        request_id = f"{request.request_id}-{uuid.uuid4().hex}"
+        stream = self.engine.generate(
+            self.vllm_prompt(request), self.vllm_sampling_params(request.sampling), request_id
+        )
+        deltas = _DeltaBuilder(self.tokenizer, self.eos_ids, len(request.prompt_token_ids))
+        finished = False
+        try:
+            async for output in stream:
+                finished = output.finished
+                delta = deltas.build(output.outputs[0], finished)
+                if delta is not None:
+                    yield delta
+        except VLLMClientError as error:  # request rejected at admission (e.g. longer than max_model_len)
+            raise ValueError(str(error)) from None
+        finally:
+            await stream.aclose()
+            if not finished:  # consumer gone or error: free the sequence and its KV blocks now
+                await self.engine.abort(request_id)
+
+    def vllm_prompt(self, request: EngineRequest) -> TokensPrompt:
+        """The request as vLLM takes it: one pad per image, embeddings and grid as multimodal data."""
+        rows = [e.shape[0] for e in request.image_embeds]
+        prompt = TokensPrompt(
+            prompt_token_ids=_collapse_image_pads(request.prompt_token_ids, self.image_token_id, rows)
+        )
+        if rows:
+            # [sum(rows), hidden] + [n, 3]: vLLM splits the rows per image by the grid.
+            embeds = torch.cat(request.image_embeds)  # vLLM casts to the model dtype
+            grid = request.image_grid_thw.to(torch.int64)
+            prompt["multi_modal_data"] = {"image": {"image_embeds": embeds, "image_grid_thw": grid}}
+            if request.image_uuids is not None:
+                prompt["multi_modal_uuids"] = {"image": list(request.image_uuids)}
+        return prompt
+
+    def vllm_sampling_params(self, sampling: SamplingParams) -> VLLMSamplingParams:
+        return VLLMSamplingParams(
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=1.0 if sampling.greedy else sampling.top_p,
+            top_k=0,  # disabled, as in the transformers engine
+            seed=sampling.seed,
+            stop=list(sampling.stop),
+            stop_token_ids=sorted(self.eos_ids),
+            output_kind=RequestOutputKind.DELTA,
+            skip_special_tokens=True,
+        )
+
+    def _validate(self, request: EngineRequest) -> None:
+        validate_request(request, EngineShape(self.vocab_size, self.hidden_size, self.image_token_id, self.merge_size))
+
+
+class _DeltaBuilder:
+    """Turns vLLM's delta outputs into GenerationDeltas that read like the transformers engine's.
+
+    One difference is evened out: at the end, vLLM drops an incomplete UTF-8 tail while the
+    transformers engine flushes it as U+FFFD; the full decode's tail is appended here, unless a
+    stop string ended the text.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_ids: set[int], prompt_tokens: int) -> None:
+        self._tokenizer = tokenizer
+        self._eos_ids = eos_ids
+        self._prompt_tokens = prompt_tokens
+        self._ids: list[int] = []
+        self._text = ""
+
+    def build(self, piece: CompletionOutput, finished: bool) -> GenerationDelta | None:
+        self._ids += piece.token_ids
+        text = piece.text
+        if finished and not isinstance(piece.stop_reason, str):  # str: a stop string matched
+            text += self._tail(self._text + text)
+        self._text += text
+        if not (piece.token_ids or text or finished):
+            return None
+        reason = _finish_reason(piece.finish_reason) if finished else None
+        return GenerationDelta(text, list(piece.token_ids), reason, self._prompt_tokens, len(self._ids))
+
+    def _tail(self, emitted: str) -> str:
+        kept = [t for t in self._ids if t not in self._eos_ids]
+        full = self._tokenizer.decode(kept, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return full[len(emitted) :] if full.startswith(emitted) else ""
+
+
+def _collapse_image_pads(ids: list[int], pad: int, rows: list[int]) -> list[int]:
+    """One pad per image, for vLLM to expand again: image i's run of rows[i] pads becomes one.
+
+    Raises ValueError when an image's pads are not one contiguous run of its row count.
+    """
+    out: list[int] = []
+    position = 0
+    for image, count in enumerate(rows):
+        start = ids.index(pad, position)
+        if ids[start : start + count] != [pad] * count:
+            raise ValueError(f"image {image}: its {count} pad tokens must be contiguous")
+        out += ids[position : start + 1]
+        position = start + count
+    out += ids[position:]
+    return out
+
+
+def _finish_reason(reason: str | None) -> FinishReason:
+    if reason in ("stop", "length"):
+        return reason  # type: ignore[return-value]
+    raise RuntimeError(f"vLLM ended the generation with finish reason {reason!r}")
+
+
+def _eos_ids(path: Path, config: Qwen2VLConfig, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Same set as the transformers engine: generation config eos ids plus the tokenizer's."""
+    try:
+        configured = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # no generation_config.json: transformers derives one from the model config
+        configured = GenerationConfig.from_model_config(config).eos_token_id
+    ids = set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if not ids:
+        raise ValueError("checkpoint defines no eos token")
+    return ids
