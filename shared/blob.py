@@ -52,6 +52,12 @@ def tokens_for_grid(grid_thw: torch.Tensor, merge_size: int) -> int:
     return int(grid_thw.prod(dim=-1).sum().item()) // (merge_size**2)
 
 
+def _all_finite(values: torch.Tensor) -> bool:
+    # A sum is finite only if every element is, and one reduction is several times faster than
+    # isfinite() over megabytes; the exact check runs only when the sum is inf/NaN (or overflowed).
+    return bool(torch.isfinite(values.sum())) or bool(torch.isfinite(values).all())
+
+
 def validate_blob(blob: EmbeddingBlob, rules: BlobRules, where: str = "embedding") -> None:
     """Raises InvalidEmbedding / IncompatibleEncoder unless the blob is safe to hand to an engine."""
     if blob.encoder_id not in rules.accepted_encoder_ids:
@@ -83,7 +89,7 @@ def validate_blob(blob: EmbeddingBlob, rules: BlobRules, where: str = "embedding
         raise InvalidEmbedding(
             f"{where} hidden size is {embeds.shape[1]}, the model's is {rules.hidden_size}", param=where
         )
-    if not bool(torch.isfinite(embeds).all()):
+    if not _all_finite(embeds):
         raise InvalidEmbedding(f"{where} contains NaN or infinite values", param=where)
 
 

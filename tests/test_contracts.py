@@ -132,3 +132,13 @@ def test_generated_stubs_are_up_to_date(tmp_path: Path) -> None:
     walk(comparison, "")
     stale = [name for name in stale if "__pycache__" not in name]
     assert not stale, f"stubs are stale, run `python scripts/gen_protos.py`: {stale}"
+
+
+def test_large_finite_values_whose_sum_overflows_are_still_accepted() -> None:
+    embeds = torch.full((6, 8), 60000.0, dtype=torch.float16)  # the float16 sum overflows to inf
+    assert not torch.isfinite(embeds.sum())
+    decoded = decode_blob(encode_blob(EmbeddingBlob(embeds, torch.tensor([[1, 4, 6]]), "enc-a"), RULES), RULES)
+    assert torch.equal(decoded.embeds, embeds)
+    embeds[3, 2] = float("inf")
+    with pytest.raises(InvalidEmbedding, match="infinite"):
+        encode_blob(EmbeddingBlob(embeds, torch.tensor([[1, 4, 6]]), "enc-a"), RULES)
