@@ -34,6 +34,10 @@ def _sampling(request: ChatCompletionRequest) -> Sampling:
         top_p=request.top_p,
         seed=request.seed,
         stop=request.stop_list,
+        logprobs=request.logprobs,
+        top_logprobs=request.top_logprobs or 0,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
     )
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from gateway.openai_logprobs import logprobs_body
 from shared.errors import ServiceError
-from shared.sdk import GenerationChunk
+from shared.sdk import GenerationChunk, TokenLogprob
 
 IndexedChunks = AsyncIterator[tuple[int, GenerationChunk]]
 
@@ -38,10 +39,12 @@ class _Usage:
 async def completion(completion_id: str, model: str, n: int, chunks: IndexedChunks) -> dict[str, Any]:
     """Collects all choices' streams into one chat.completion object."""
     texts: list[list[str]] = [[] for _ in range(n)]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
     usage = _Usage()
     async for index, chunk in chunks:
         texts[index].append(chunk.text)
+        logprobs[index] += chunk.logprobs
         if chunk.finish_reason is not None:
             finish[index] = chunk.finish_reason
             usage.add(chunk)
@@ -50,7 +53,7 @@ async def completion(completion_id: str, model: str, n: int, chunks: IndexedChun
             "index": i,
             "message": {"role": "assistant", "content": "".join(texts[i])},
             "finish_reason": finish[i],
-            "logprobs": None,
+            "logprobs": logprobs_body(logprobs[i]),
         }
         for i in range(n)
     ]
@@ -89,15 +92,18 @@ async def event_stream(
             }
         )
 
-    def choice(index: int, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-        return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    def choice(
+        index: int, delta: dict[str, Any], finish_reason: str | None = None, logprobs: Sequence[TokenLogprob] = ()
+    ) -> dict[str, Any]:
+        return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs_body(logprobs)}
 
     for index in range(n):
         yield frame([choice(index, {"role": "assistant", "content": ""})])
     try:
         async for index, chunk in chunks:
-            if chunk.text:
-                yield frame([choice(index, {"content": chunk.text})])
+            # Tokens of an incomplete character come with no text, but their logprobs still go out.
+            if chunk.text or chunk.logprobs:
+                yield frame([choice(index, {"content": chunk.text}, logprobs=chunk.logprobs)])
             if chunk.finish_reason is not None:
                 usage.add(chunk)
                 yield frame([choice(index, {}, chunk.finish_reason)])

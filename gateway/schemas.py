@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 # Bounds that keep values inside the gRPC field types (int32/int64); the services
 # apply their own, tighter limits and say so in their errors.
@@ -85,12 +85,30 @@ class ChatCompletionRequest(BaseModel):
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same output.")
     stop: str | list[str] | None = Field(None, description="Up to 4 stop strings.")
     n: int = Field(1, ge=1, le=8, description="Number of choices, generated independently (seed + index when seeded).")
+    logprobs: bool = Field(False, description="Return each generated token's log probability (raw, before penalties).")
+    # Declared after logprobs: its validator reads logprobs from the fields already validated.
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20, description="Most likely alternatives to return per token, 0..20; needs logprobs."
+    )
+    presence_penalty: float | None = Field(
+        None, ge=-2, le=2, description="Lowers tokens already in the completion, once each; 0 = off."
+    )
+    frequency_penalty: float | None = Field(
+        None, ge=-2, le=2, description="Lowers tokens by how often they are already in the completion; 0 = off."
+    )
 
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:
         if isinstance(value, list) and len(value) > 4:
             raise ValueError("at most 4 stop strings")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
         return value
 
     @property

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llm_service.engines.base import SamplingParams
+from llm_service.engines.base import MAX_TOP_LOGPROBS, SamplingParams
 from shared.errors import InvalidInput
 from shared.pb.llm.v1 import llm_pb2
 
@@ -86,4 +86,28 @@ def _sampling_from_pb(sampling: llm_pb2.SamplingParams, limits: SamplingLimits) 
     if len(stop) > 4 or any(not s for s in stop):
         raise InvalidInput("stop takes at most 4 non-empty strings", param="stop")
     seed = sampling.seed if sampling.HasField("seed") else None
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        stop=stop,
+        logprobs=_logprobs_from_pb(sampling),
+        presence_penalty=_penalty(sampling.presence_penalty, "presence_penalty"),
+        frequency_penalty=_penalty(sampling.frequency_penalty, "frequency_penalty"),
+    )
+
+
+def _logprobs_from_pb(sampling: llm_pb2.SamplingParams) -> int | None:
+    """OpenAI's pair (logprobs: bool, top_logprobs: k) as the engines' one knob: None or k."""
+    if not 0 <= sampling.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidInput(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}", param="top_logprobs")
+    if sampling.top_logprobs and not sampling.logprobs:
+        raise InvalidInput("top_logprobs needs logprobs set to true", param="top_logprobs")
+    return sampling.top_logprobs if sampling.logprobs else None
+
+
+def _penalty(value: float, param: str) -> float:
+    if not -2.0 <= value <= 2.0:  # also refuses NaN
+        raise InvalidInput(f"{param} must be in [-2, 2]", param=param)
+    return value

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from llm_service.core import LLMCore
+from llm_service.logprobs_pb import TokenNamer
 from llm_service.requests import ChatRequest, SamplingLimits
 from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc
 
@@ -18,13 +19,16 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         self._core = core
         self._limits = limits
         self._engine_name = engine_name
+        self._namer = TokenNamer(core.engine.tokenizer)
 
     async def Generate(
         self, request: llm_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[llm_pb2.GenerateChunk]:
         chat = ChatRequest.from_pb(request, self._limits)
         async for delta in self._core.generate(chat):
-            chunk = llm_pb2.GenerateChunk(text=delta.text, token_ids=delta.token_ids)
+            chunk = llm_pb2.GenerateChunk(
+                text=delta.text, token_ids=delta.token_ids, logprobs=self._namer.to_pb(delta.logprobs)
+            )
             if delta.finish_reason is not None:
                 chunk.finish_reason = _FINISH_REASONS[delta.finish_reason]
                 chunk.usage.prompt_tokens = delta.prompt_tokens

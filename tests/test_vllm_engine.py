@@ -221,3 +221,32 @@ async def test_rejects_inconsistent_request(engines: Engines, encoder, images) -
     with pytest.raises(ValueError, match="max_model_len|maximum|longer"):
         await _collect(fast, replace(good, prompt_token_ids=good.prompt_token_ids + [1] * 1024))
     assert fast.num_unfinished_requests() == 0
+
+
+def _logprobs(deltas: list[GenerationDelta]) -> list:
+    return [entry for d in deltas for entry in d.logprobs]
+
+
+async def test_logprobs_and_penalties_match_transformers(engines: Engines, encoder, images) -> None:
+    fast, slow = engines["ft-a"]
+    builder = PromptBuilder(fast.tokenizer)
+    runs = {}
+    for name, sampling in {
+        "plain": {"logprobs": 5},
+        # Negative: the tiny model's greedy text rarely repeats, so a bonus is what changes it.
+        "penalized": {"logprobs": 5, "presence_penalty": -1.0, "frequency_penalty": -2.0},
+    }.items():
+        request = _request(encoder, builder, images[:1], QUESTIONS[0], max_tokens=MAX_NEW, **sampling)
+        got, want = await _collect(fast, request), await _collect(slow, request)
+        assert _summary(got) == _summary(want), name
+        assert [e.token_id for e in _logprobs(got)] == _tokens(got) == [e.token_id for e in _logprobs(want)]
+        for position, (a, b) in enumerate(zip(_logprobs(got), _logprobs(want), strict=True)):
+            # Both raw logprobs (vLLM's default): with penalties, processed ones would differ after token 1.
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-3), (name, position)
+            assert len(a.top) == len(b.top) == 5 and {t for t, _ in a.top} == {t for t, _ in b.top}, (name, position)
+            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-3), (name, position)
+        runs[name] = got
+    assert _tokens(runs["penalized"]) != _tokens(runs["plain"])
+    # Greedy without penalties picks the raw argmax; with them it must sometimes pick another token.
+    assert all(e.token_id == e.top[0][0] for e in _logprobs(runs["plain"]))
+    assert any(e.token_id != e.top[0][0] for e in _logprobs(runs["penalized"]))

@@ -13,17 +13,26 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 FinishReason = Literal["stop", "length"]
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit, and vLLM's default max_logprobs
 
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens. temperature 0 means greedy; seed makes sampling reproducible."""
+    """How to pick tokens. temperature 0 means greedy; seed makes sampling reproducible.
+
+    logprobs: None = no logprobs; k = each token's logprob plus its k most likely alternatives.
+    presence_penalty / frequency_penalty: OpenAI's (and vLLM's) penalties over the completion's
+    tokens only: logit[t] -= presence * (count[t] > 0) + frequency * count[t].
+    """
 
     max_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -34,6 +43,15 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
 
     @property
     def greedy(self) -> bool:
@@ -91,11 +109,25 @@ def validate_request(request: EngineRequest, shape: EngineShape) -> None:
         raise ValueError(f"prompt has {pads} image pad tokens but the images have {total} rows")
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability and its most likely alternatives, most likely first.
+
+    Both engines report vLLM's default kind, "raw_logprobs": log_softmax of the model's logits
+    before penalties, temperature and top_p, so the numbers do not depend on the sampling knobs.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob)
+
+
 @dataclass
 class GenerationDelta:
     """A streamed piece of output. The last delta has finish_reason set; usage counts are running totals.
 
     token_ids may arrive with empty text while a multi-byte character is still incomplete.
+    logprobs: with SamplingParams.logprobs set, one per token in token_ids, in order; else empty.
     """
 
     text: str
@@ -103,6 +135,7 @@ class GenerationDelta:
     finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @runtime_checkable

@@ -19,6 +19,7 @@ import torch
 from transformers import (
     AutoTokenizer,
     GenerationConfig,
+    LogitsProcessorList,
     PreTrainedTokenizerBase,
     Qwen2VLForConditionalGeneration,
     StoppingCriteria,
@@ -32,8 +33,10 @@ from llm_service.engines.base import (
     FinishReason,
     GenerationDelta,
     SamplingParams,
+    TokenLogprob,
     validate_request,
 )
+from llm_service.engines.logits import Penalties, RawLogprobs
 
 _DONE = object()  # end-of-stream marker on the queue
 Emit = Callable[[object], None]
@@ -93,9 +96,11 @@ class _TokenObserver(StoppingCriteria):
 
     def __init__(
         self, detok: IncrementalDetokenizer, request: EngineRequest, eos_ids: set[int], emit: Emit,
-        cancel: threading.Event,
+        cancel: threading.Event, raw: RawLogprobs | None,
     ) -> None:  # fmt: skip
         self.detok = detok
+        self.raw = raw
+        self.top_k = request.sampling.logprobs or 0
         self.eos_ids = eos_ids
         self.max_tokens = request.sampling.max_tokens
         self.prompt_tokens = len(request.prompt_token_ids)
@@ -112,9 +117,16 @@ class _TokenObserver(StoppingCriteria):
         if reason is not None:
             text += self.detok.flush()
             self.finished = True
-        self.emit(GenerationDelta(text, [token], reason, self.prompt_tokens, self.completion_tokens))
+        logprobs = [self._logprob(token)] if self.raw is not None else []
+        self.emit(GenerationDelta(text, [token], reason, self.prompt_tokens, self.completion_tokens, logprobs))
         stop = self.detok.stop_hit or self.cancel.is_set()
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+    def _logprob(self, token: int) -> TokenLogprob:
+        assert self.raw is not None and self.raw.row is not None  # set by this step's processors
+        row = self.raw.row
+        values, ids = row.topk(self.top_k)
+        return TokenLogprob(token, float(row[token]), list(zip(ids.tolist(), values.tolist(), strict=True)))
 
     def _finish_reason(self, token: int) -> FinishReason | None:
         if self.detok.stop_hit or token in self.eos_ids:
@@ -177,8 +189,9 @@ class TransformersEngine(Engine):
             if cancel.is_set():  # cancelled while queued behind another generation
                 return
             detok = IncrementalDetokenizer(self.tokenizer, request.sampling.stop, self.eos_ids)
-            observer = _TokenObserver(detok, request, self.eos_ids, emit, cancel)
-            self._generate_blocking(request, observer)
+            raw = RawLogprobs() if request.sampling.logprobs is not None else None
+            observer = _TokenObserver(detok, request, self.eos_ids, emit, cancel, raw)
+            self._generate_blocking(request, observer, self._processors(request, raw))
             if not observer.finished and not cancel.is_set():
                 raise RuntimeError(f"generation for {request.request_id} ended without a finish reason")
         except BaseException as exc:  # handed to the consumer, which re-raises it
@@ -186,7 +199,18 @@ class TransformersEngine(Engine):
         finally:
             emit(_DONE)
 
-    def _generate_blocking(self, request: EngineRequest, observer: _TokenObserver) -> None:
+    def _processors(self, request: EngineRequest, raw: RawLogprobs | None) -> LogitsProcessorList:
+        """Ours, in the order logits.py explains: raw logprobs first, then penalties."""
+        sampling = request.sampling
+        processors = LogitsProcessorList([raw] if raw is not None else [])
+        if sampling.penalized:
+            prompt = len(request.prompt_token_ids)
+            processors.append(Penalties(prompt, sampling.presence_penalty, sampling.frequency_penalty))
+        return processors
+
+    def _generate_blocking(
+        self, request: EngineRequest, observer: _TokenObserver, processors: LogitsProcessorList
+    ) -> None:
         device = self.model.device
         input_ids = torch.tensor([request.prompt_token_ids], dtype=torch.long, device=device)
         with torch.inference_mode():
@@ -210,6 +234,7 @@ class TransformersEngine(Engine):
                 attention_mask=torch.ones_like(input_ids),
                 generation_config=self._generation_config(request.sampling),
                 stopping_criteria=StoppingCriteriaList([observer]),
+                logits_processor=processors,
                 **mm_kwargs,
             )
 

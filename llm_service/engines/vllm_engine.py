@@ -25,6 +25,7 @@ from vllm import SamplingParams as VLLMSamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.inputs import TokensPrompt
+from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -36,6 +37,7 @@ from llm_service.engines.base import (
     FinishReason,
     GenerationDelta,
     SamplingParams,
+    TokenLogprob,
     validate_request,
 )
 
@@ -79,6 +81,8 @@ class VLLMEngine(Engine):
             # explicitly per request instead.
             generation_config="vllm",
             kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * _GIB),
+            # vLLM's default, pinned: the transformers engine reports the same kind (logits.py).
+            logprobs_mode="raw_logprobs",
         )
         tokenizer = AutoTokenizer.from_pretrained(path)
         config = AutoConfig.from_pretrained(path)
@@ -102,7 +106,7 @@ class VLLMEngine(Engine):
         stream = self.engine.generate(
             self.vllm_prompt(request), self.vllm_sampling_params(request.sampling), request_id
         )
-        deltas = _DeltaBuilder(self.tokenizer, self.eos_ids, len(request.prompt_token_ids))
+        deltas = _DeltaBuilder(self.tokenizer, self.eos_ids, len(request.prompt_token_ids), request.sampling.logprobs)
         finished = False
         try:
             async for output in stream:
@@ -143,6 +147,11 @@ class VLLMEngine(Engine):
             stop_token_ids=sorted(self.eos_ids),
             output_kind=RequestOutputKind.DELTA,
             skip_special_tokens=True,
+            # k: the sampled token's logprob plus the top k, as vLLM's default logprobs_mode
+            # "raw_logprobs" (log_softmax before penalties and temperature).
+            logprobs=sampling.logprobs,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
         )
 
     def _validate(self, request: EngineRequest) -> None:
@@ -157,10 +166,13 @@ class _DeltaBuilder:
     stop string ended the text.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_ids: set[int], prompt_tokens: int) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, eos_ids: set[int], prompt_tokens: int, top_k: int | None
+    ) -> None:
         self._tokenizer = tokenizer
         self._eos_ids = eos_ids
         self._prompt_tokens = prompt_tokens
+        self._top_k = top_k or 0
         self._ids: list[int] = []
         self._text = ""
 
@@ -173,12 +185,29 @@ class _DeltaBuilder:
         if not (piece.token_ids or text or finished):
             return None
         reason = _finish_reason(piece.finish_reason) if finished else None
-        return GenerationDelta(text, list(piece.token_ids), reason, self._prompt_tokens, len(self._ids))
+        logprobs = _token_logprobs(piece, self._top_k)
+        return GenerationDelta(text, list(piece.token_ids), reason, self._prompt_tokens, len(self._ids), logprobs)
 
     def _tail(self, emitted: str) -> str:
         kept = [t for t in self._ids if t not in self._eos_ids]
         full = self._tokenizer.decode(kept, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         return full[len(emitted) :] if full.startswith(emitted) else ""
+
+
+def _token_logprobs(piece: CompletionOutput, top_k: int) -> list[TokenLogprob]:
+    """One entry per token of the delta. vLLM's dict per position holds the top k (ranks 1..k)
+    plus the sampled token, an extra entry only when it ranks below k."""
+    if piece.logprobs is None:
+        return []
+    return [
+        TokenLogprob(token, position[token].logprob, _top(position, top_k))
+        for token, position in zip(piece.token_ids, piece.logprobs, strict=True)
+    ]
+
+
+def _top(position: dict[int, Logprob], top_k: int) -> list[tuple[int, float]]:
+    ranked = sorted((entry.rank, token, entry.logprob) for token, entry in position.items() if entry.rank is not None)
+    return [(token, logprob) for rank, token, logprob in ranked if rank <= top_k]
 
 
 def _collapse_image_pads(ids: list[int], pad: int, rows: list[int]) -> list[int]:

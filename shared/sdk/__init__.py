@@ -12,6 +12,8 @@ from shared.sdk.types import (
     Message,
     ModelInfo,
     Sampling,
+    TokenLogprob,
+    TopLogprob,
 )
 
 __all__ = [
@@ -28,4 +30,6 @@ __all__ = [
     "Message",
     "ModelInfo",
     "Sampling",
+    "TokenLogprob",
+    "TopLogprob",
 ]

@@ -140,9 +140,20 @@ class Sampling:
     top_p: float | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    logprobs: bool = False  # return each generated token's logprob
+    top_logprobs: int = 0  # alternatives per token, 0..20; needs logprobs
+    presence_penalty: float = 0.0  # -2..2; 0 = off
+    frequency_penalty: float = 0.0  # -2..2; 0 = off
 
     def to_pb(self) -> llm_pb2.SamplingParams:
-        params = llm_pb2.SamplingParams(max_tokens=self.max_tokens, stop=self.stop)
+        params = llm_pb2.SamplingParams(
+            max_tokens=self.max_tokens,
+            stop=self.stop,
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+        )
         if self.temperature is not None:
             params.temperature = self.temperature
         if self.top_p is not None:
@@ -161,17 +172,41 @@ def generate_request(
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    token: str
+    logprob: float
+    bytes: bytes  # the token's exact UTF-8 bytes (token shows U+FFFD for a partial character)
+    token_id: int
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    logprob: float  # from the raw logits: before penalties, temperature and top_p
+    bytes: bytes
+    top_logprobs: list[TopLogprob]  # most likely first
+
+    @classmethod
+    def from_pb(cls, entry: llm_pb2.TokenLogprob) -> TokenLogprob:
+        top = [TopLogprob(t.token, t.logprob, t.bytes, t.token_id) for t in entry.top_logprobs]
+        return cls(entry.token, entry.logprob, entry.bytes, top)
+
+
+@dataclass(frozen=True)
 class GenerationChunk:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" on the last chunk
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when requested
 
     @classmethod
     def from_pb(cls, chunk: llm_pb2.GenerateChunk) -> GenerationChunk:
         finish = _FINISH_NAMES.get(chunk.finish_reason)
-        return cls(chunk.text, list(chunk.token_ids), finish, chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
+        logprobs = [TokenLogprob.from_pb(entry) for entry in chunk.logprobs]
+        usage = chunk.usage
+        return cls(chunk.text, list(chunk.token_ids), finish, usage.prompt_tokens, usage.completion_tokens, logprobs)
 
 
 @dataclass(frozen=True)
