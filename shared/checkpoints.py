@@ -215,7 +215,7 @@ def _randomize(model: Qwen2VLForConditionalGeneration, seed: int) -> None:
         for name, param in model.named_parameters():
             if param.ndim < 2:
                 continue
-            std = VISION_INIT_STD if _is_vision_key(name) else TEXT_INIT_STD
+            std = VISION_INIT_STD if is_vision_key(name) else TEXT_INIT_STD
             param.copy_(torch.randn(param.shape, generator=gen) * std)
 
 
@@ -224,7 +224,7 @@ def build_tiny_base(out_dir: Path, seed: int = 0) -> Path:
     out_dir = Path(out_dir)
     if is_complete(out_dir):
         return out_dir
-    with _staging(out_dir) as tmp:
+    with staging(out_dir) as tmp:
         tokenizer = build_tokenizer()
         config = tiny_config(tokenizer)
         torch.manual_seed(seed)
@@ -237,7 +237,7 @@ def build_tiny_base(out_dir: Path, seed: int = 0) -> Path:
         )
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        _write_json(tmp / "preprocessor_config.json", preprocessor_config())
+        write_json(tmp / "preprocessor_config.json", preprocessor_config())
     return out_dir
 
 
@@ -246,7 +246,7 @@ def build_finetune(base_dir: Path, out_dir: Path, seed: int) -> Path:
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     if is_complete(out_dir):
         return out_dir
-    with _staging(out_dir) as tmp:
+    with staging(out_dir) as tmp:
         for item in base_dir.iterdir():
             if item.is_file() and item.name != WEIGHTS_FILE:
                 shutil.copy2(item, tmp / item.name)
@@ -256,7 +256,7 @@ def build_finetune(base_dir: Path, out_dir: Path, seed: int) -> Path:
             metadata = f.metadata()
             for key in sorted(f.keys()):
                 tensor = f.get_tensor(key)
-                if not _is_vision_key(key) and tensor.ndim >= 2:
+                if not is_vision_key(key) and tensor.ndim >= 2:
                     noise = torch.randn(tensor.shape, generator=gen, dtype=torch.float32)
                     tensor = (tensor.float() + noise * FINETUNE_NOISE * tensor.float().std()).to(tensor.dtype)
                 tensors[key] = tensor.contiguous()
@@ -274,7 +274,7 @@ def compute_encoder_id(checkpoint_dir: Path) -> str:
     digest = hashlib.sha256()
     for path in sorted(checkpoint_dir.glob("*.safetensors")):
         with safe_open(path, framework="pt") as f:
-            for key in sorted(k for k in f.keys() if _is_vision_key(k)):
+            for key in sorted(k for k in f.keys() if is_vision_key(k)):
                 tensor = f.get_tensor(key).contiguous()
                 header = f"{_strip_vision_prefix(key)}|{tensor.dtype}|{list(tensor.shape)}|"
                 digest.update(header.encode())
@@ -292,7 +292,7 @@ def is_complete(checkpoint_dir: Path) -> bool:
     return all((Path(checkpoint_dir) / name).is_file() for name in REQUIRED_FILES)
 
 
-def _is_vision_key(key: str) -> bool:
+def is_vision_key(key: str) -> bool:
     return key.startswith(VISION_PREFIXES)
 
 
@@ -307,12 +307,12 @@ def _canonical_json(value: object) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-def _write_json(path: Path, value: object) -> None:
+def write_json(path: Path, value: object) -> None:
     path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
 
 
 @contextmanager
-def _staging(out_dir: Path) -> Iterator[Path]:
+def staging(out_dir: Path) -> Iterator[Path]:
     """Build into a sibling temp dir and rename it into place, so a crash never leaves a
     half-written checkpoint that `is_complete` would accept."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,59 @@
+"""What a scenario hands to the report: rows per compared system, ratios, targets, memory, notes."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class Target:
+    """One of the issue's targets, checked against a measured value."""
+
+    name: str  # e.g. "throughput ours / direct"
+    measured: float
+    comparison: Literal[">=", "<=", "=="]  # met when `measured <comparison> limit`
+    limit: float
+    unit: str = ""
+
+    @property
+    def met(self) -> bool:
+        if self.comparison == ">=":
+            return self.measured >= self.limit
+        if self.comparison == "<=":
+            return self.measured <= self.limit
+        return self.measured == self.limit
+
+
+@dataclass(frozen=True)
+class MemoryRecord:
+    """Peak resident memory of one service (its process tree) beside the weights it holds.
+
+    peak_rss_bytes sums VmHWM over the process and its children: pages they share are counted
+    once per process, so it is an upper bound for a multi-process server such as vLLM.
+    """
+
+    service: str
+    peak_rss_bytes: int
+    weight_bytes: int
+    weights: str  # which tensors, at which dtype
+    processes: int
+
+
+@dataclass
+class ScenarioResult:
+    key: str  # "1".."4"
+    title: str
+    columns: list[str]  # table columns after "system"
+    rows: dict[str, dict[str, Any]]  # system -> column -> value
+    ratios: dict[str, float] = field(default_factory=dict)
+    targets: list[Target] = field(default_factory=list)
+    memory: list[MemoryRecord] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+    chart: dict[str, dict[str, float]] = field(default_factory=dict)  # metric -> system -> value
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["targets"] = [{**asdict(t), "met": t.met} for t in self.targets]
+        return data

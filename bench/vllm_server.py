@@ -1,0 +1,75 @@
+"""Plain vLLM OpenAI servers: the baselines users run today, started as vLLM documents them.
+
+Every vLLM process the benchmark starts (these and our LLM services' engines) gets a 1 GiB KV
+cache (VLLM_CPU_KVCACHE_SPACE) so several fit in RAM at once, and the encode-counting hook
+(bench/vllm_hook) on its PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from bench.procs import REPO, Service, ServiceGroup, http_ok, python_module, wait_until
+
+HOOK_DIR = REPO / "bench" / "vllm_hook"
+KV_CACHE_GIB = "1"
+MAX_MODEL_LEN = 2048
+
+
+def vllm_env(encode_count_dir: Path) -> dict[str, str]:
+    """Environment for any process that runs a vLLM engine."""
+    encode_count_dir.mkdir(parents=True, exist_ok=True)
+    pythonpath = os.pathsep.join(p for p in (str(HOOK_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,
+        "PYTHONPATH": pythonpath,
+        "BENCH_ENCODE_COUNT_DIR": str(encode_count_dir),
+    }
+
+
+def encodes_counted(encode_count_dir: Path) -> int:
+    """Images run through a vision tower by the processes that write to this directory."""
+    total = 0
+    for path in encode_count_dir.glob("*.count"):
+        try:
+            total += int(path.read_text() or 0)
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def start_vllm_server(
+    group: ServiceGroup,
+    name: str,
+    served_name: str,
+    checkpoint: Path,
+    port: int,
+    dtype: str,
+    *,
+    embeds_only: bool,
+    weight_bytes: int,
+    weights: str,
+    python: str | None = None,
+) -> Service:
+    """`python -m vllm.entrypoints.openai.api_server` for one checkpoint, served as `served_name`;
+    `name` names the service in logs and the memory table.
+
+    embeds_only: accept inline `image_embeds` and skip the vision tower (images limited to 0,
+    as our LLM service's engine does); otherwise a stock server that encodes `image_url` itself.
+    """
+    argv = [
+        *python_module("vllm.entrypoints.openai.api_server", python),
+        "--model", str(checkpoint), "--served-model-name", served_name, "--dtype", dtype,
+        "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(port),
+        "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning",
+    ]  # fmt: skip
+    if embeds_only:
+        argv += ["--enable-mm-embeds", "--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0})]
+    env = vllm_env(group.log_dir / f"{name}.encodes")
+    return group.start(name, argv, env, weight_bytes, weights)
+
+
+def wait_vllm_ready(service: Service, port: int, timeout_s: float) -> None:
+    wait_until(service, http_ok(f"http://127.0.0.1:{port}/health"), timeout_s)
