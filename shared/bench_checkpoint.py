@@ -23,13 +23,13 @@ from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalG
 
 from shared.checkpoints import (
     SPECIAL_TOKENS,
-    is_vision_key,
-    staging,
-    write_json,
     build_tokenizer,
     is_complete,
+    is_vision_key,
     preprocessor_config,
+    staging,
     tiny_config,
+    write_json,
 )
 
 STORED_DTYPE = torch.bfloat16

@@ -90,8 +90,13 @@ class VLLMEngine(Engine):
         return cls(AsyncLLM.from_engine_args(args), tokenizer, config, eos_ids)
 
     def close(self) -> None:
-        """Stops the engine process; blocks for a few seconds."""
-        self.engine.shutdown()
+        """Stops the engine process; blocks for a few seconds. Idempotent."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.shutdown()
+        # Dropping the last reference now lets AsyncLLM.__del__ (which shuts down again) run while
+        # the interpreter is whole, not at exit, where it fails on torn-down modules.
+        del engine
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.close)  # shutdown waits on the engine process; keep the loop free
