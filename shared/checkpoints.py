@@ -278,7 +278,7 @@ def compute_encoder_id(checkpoint_dir: Path) -> str:
                 tensor = f.get_tensor(key).contiguous()
                 header = f"{_strip_vision_prefix(key)}|{tensor.dtype}|{list(tensor.shape)}|"
                 digest.update(header.encode())
-                digest.update(tensor.view(torch.uint8).numpy().tobytes())
+                digest.update(tensor.view(torch.uint8).numpy())  # hashed in place: no copy of the weights
     preprocessor = json.loads((checkpoint_dir / "preprocessor_config.json").read_text())
     vision_config = json.loads((checkpoint_dir / "config.json").read_text())["vision_config"]
     for volatile in ("dtype", "torch_dtype", "transformers_version", "_name_or_path"):
