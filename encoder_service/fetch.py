@@ -25,12 +25,23 @@ class FetchPolicy:
     timeout_s: float
     max_bytes: int
     allow_private: bool
+    allowed_schemes: tuple[str, ...] = ("http", "https")
+    allowed_domains: tuple[str, ...] = ()  # empty = any host; else the host or a subdomain of one
+
+    def domain_allowed(self, host: str) -> bool:
+        host = host.lower().rstrip(".")
+        return not self.allowed_domains or any(host == d or host.endswith("." + d) for d in self.allowed_domains)
 
 
 async def _check_host(url: str, policy: FetchPolicy, param: str) -> None:
     parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise InvalidInput(f"image URL must be http(s) or a data URL (got {clip(url, 60)!r})", param=param)
+    if parts.scheme not in policy.allowed_schemes or not parts.hostname:
+        schemes = "/".join(policy.allowed_schemes)
+        raise InvalidInput(f"image URL must be {schemes} or a data URL (got {clip(url, 60)!r})", param=param)
+    if not policy.domain_allowed(parts.hostname):
+        raise InvalidInput(
+            f"image URL host {clip(parts.hostname, 60)!r} is not on the allowed domain list", param=param
+        )
     if policy.allow_private:
         return
     try:

@@ -52,7 +52,13 @@ def build_core(settings: EncoderSettings) -> EncoderCore:
         max_image_bytes=settings.max_image_bytes,
         max_decoded_pixels=settings.max_decoded_pixels,
         max_pixels_limit=settings.max_pixels_limit,
-        fetch=FetchPolicy(settings.fetch_timeout_s, settings.max_image_bytes, settings.allow_private_urls),
+        fetch=FetchPolicy(
+            settings.fetch_timeout_s,
+            settings.max_image_bytes,
+            settings.allow_private_urls,
+            tuple(settings.url_schemes),
+            tuple(d.lower().strip(".") for d in settings.url_allowed_domains),
+        ),
     )
     return EncoderCore(vision, encoder_id, EmbeddingStore(settings.store_config()), limits, batcher)
 

@@ -32,5 +32,10 @@ class EncoderSettings(StoreSettings, GrpcServerSettings):
     allow_private_urls: bool = Field(
         False, description="Allow fetching from private, loopback and link-local addresses."
     )
+    url_schemes: list[str] = Field(["http", "https"], description="Schemes an image URL may use (JSON list).")
+    url_allowed_domains: list[str] = Field(
+        default_factory=list,
+        description="Hosts (and their subdomains) images may be fetched from (JSON list); empty = any.",
+    )
     max_batch_size: int = Field(8, ge=1, description="Most images in one vision-tower forward pass.")
     batch_wait_ms: float = Field(5.0, ge=0, description="How long the first image of a batch waits for others.")

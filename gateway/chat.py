@@ -118,11 +118,15 @@ async def _one_choice(
         )
         stream = llm.generate(request.model, chat.messages, sampling, request_id)
         first = await anext(stream)
-    metrics.TTFT_SECONDS.labels(request.model).observe(time.perf_counter() - started)
+    first_at = time.perf_counter()
+    metrics.TTFT_SECONDS.labels(request.model).observe(first_at - started)
     yield first
     async for chunk in stream:
         if chunk.finish_reason is not None:
             metrics.TOKENS.labels(request.model).inc(chunk.completion_tokens)
+            if chunk.completion_tokens > 1:  # decode time per token after the first
+                per_token = (time.perf_counter() - first_at) / (chunk.completion_tokens - 1)
+                metrics.TOKEN_SECONDS.labels(request.model).observe(per_token)
         yield chunk
 
 

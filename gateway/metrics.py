@@ -21,3 +21,9 @@ TTFT_SECONDS = Histogram(
     buckets=LATENCY_BUCKETS,
 )
 TOKENS = Counter("gateway_completion_tokens_total", "Tokens generated, by model.", ["model"])
+TOKEN_SECONDS = Histogram(
+    "gateway_time_per_output_token_seconds",
+    "Mean time per generated token after the first, per request, by model.",
+    ["model"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+)

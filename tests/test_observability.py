@@ -49,6 +49,7 @@ def test_metrics_count_requests_encodes_and_rpcs(stack: Stack, openai_client: Op
     )
     assert _sample(after, "gateway_ttft_seconds_count", model="ft-a") >= 1
     assert _sample(after, "gateway_completion_tokens_total", model="ft-a") >= 3
+    assert _sample(after, "gateway_time_per_output_token_seconds_count", model="ft-a") >= 1
 
 
 def test_services_serve_metrics_over_http() -> None:

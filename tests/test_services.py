@@ -61,6 +61,13 @@ def test_private_addresses_are_refused_unless_allowed(image_server: str) -> None
         asyncio.run(fetch_image(f"{image_server}/img.png", strict))
     with pytest.raises(InvalidInput, match="http"):
         asyncio.run(fetch_image("file:///etc/passwd", strict))
+    listed = FetchPolicy(timeout_s=2, max_bytes=10_000_000, allow_private=True, allowed_domains=("example.com",))
+    with pytest.raises(InvalidInput, match="allowed domain"):
+        asyncio.run(fetch_image(f"{image_server}/img.png", listed))
+    assert listed.domain_allowed("cdn.example.com") and not listed.domain_allowed("example.com.evil.net")
+    https_only = FetchPolicy(timeout_s=2, max_bytes=10_000_000, allow_private=True, allowed_schemes=("https",))
+    with pytest.raises(InvalidInput, match="https"):
+        asyncio.run(fetch_image(f"{image_server}/img.png", https_only))
     tiny = FetchPolicy(timeout_s=2, max_bytes=100, allow_private=True)
     with pytest.raises(TooLarge):
         asyncio.run(fetch_image(f"{image_server}/img.png", tiny))
