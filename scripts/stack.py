@@ -5,11 +5,15 @@ demo:  the same on free ports, the fan-out scenario through the openai client, t
 Checkpoints come from flags (a local dir or a hub id); without flags, the tiny
 test checkpoints are built under ./checkpoints. A Redis is started when none
 answers on --redis-url (a loopback URL) and stopped at exit.
+
+`start()` is the one way to launch the stack as processes; the process tests
+(tests/process_stack.py) use it too, and signal or restart its services.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -19,6 +23,7 @@ import subprocess
 import sys
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -30,6 +35,8 @@ sys.path.insert(0, str(REPO))
 
 from scripts.fanout import demo_image, run_fanout  # noqa: E402
 from shared.checkpoints import build_all  # noqa: E402
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def free_port() -> int:
@@ -64,18 +71,104 @@ def ensure_redis(url: str, stack: ExitStack) -> None:
         time.sleep(0.1)
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
+def _stop(process: subprocess.Popen[bytes], timeout_s: float = 20) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:
-            process.wait(timeout=20)
+            process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             process.kill()
+            process.wait()
 
 
-def launch(module: str, env: dict[str, str], stack: ExitStack) -> None:
-    process = subprocess.Popen([sys.executable, "-m", module], env={**os.environ, **env}, cwd=REPO)
-    stack.callback(_stop, process)
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGKILL it when the thread that started it ends (Linux), so
+    start and restart such children from a thread that lives as long as they should."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@dataclass
+class Service:
+    """One process of the stack, and what it takes to start it again on the same ports."""
+
+    name: str
+    module: str
+    env: dict[str, str]
+    port: int
+    metrics_port: int = 0  # 0: no /metrics of its own (the gateway serves it on `port`)
+    log_path: Path | None = None  # None: output goes to this terminal
+    tied_to_parent: bool = False
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def launch(self) -> None:
+        log = open(self.log_path, "ab") if self.log_path else None  # the child keeps its own copy
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", self.module], env={**os.environ, **self.env}, cwd=REPO,
+                stdout=log, stderr=subprocess.STDOUT if log else None,
+                preexec_fn=_die_with_parent if self.tied_to_parent else None,
+            )  # fmt: skip
+        finally:
+            if log:
+                log.close()
+
+    def stop(self, timeout_s: float = 20) -> None:
+        """SIGTERM (the service drains), SIGKILL after `timeout_s`."""
+        if self.process is not None:
+            _stop(self.process, timeout_s)
+
+
+@dataclass(frozen=True)
+class Ports:
+    """Where the stack listens; 0 picks a free port. LLM services take `llm`, `llm`+1, ...
+    `metrics`: the encoder's /metrics port, LLM services follow; 0 picks free ones, None turns them off."""
+
+    encoder: int = 0
+    llm: int = 0
+    gateway: int = 0
+    metrics: int | None = None
+
+    def metrics_port(self, index: int) -> int:
+        if self.metrics is None:
+            return 0
+        return self.metrics + index if self.metrics else free_port()
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    redis_url: str
+    encoder_checkpoint: str
+    models: dict[str, str]  # model name -> checkpoint
+    ports: Ports = Ports()
+    start_timeout_s: float = 300
+    env: dict[str, str] = field(default_factory=dict)  # more settings, for every service (each reads its prefix)
+    log_dir: Path | None = None  # each service's output to <log_dir>/<name>.log
+    tied_to_parent: bool = False  # children die with this process, so a killed test run leaks none
+
+
+@dataclass
+class RunningStack:
+    base_url: str
+    encoder: Service
+    llms: dict[str, Service]  # by model name
+    gateway: Service
+
+    @property
+    def services(self) -> dict[str, Service]:
+        return {"encoder": self.encoder, **self.llms, "gateway": self.gateway}
+
+
+def launch(name: str, module: str, env: dict[str, str], port: int, metrics_port: int, config: StackConfig,
+           stack: ExitStack) -> Service:  # fmt: skip
+    log_path = config.log_dir / f"{name}.log" if config.log_dir else None
+    service = Service(name, module, {**env, **config.env}, port, metrics_port, log_path, config.tied_to_parent)
+    service.launch()
+    stack.callback(service.stop)
+    return service
 
 
 def wait_healthy(base_url: str, timeout_s: float) -> None:
@@ -90,26 +183,31 @@ def wait_healthy(base_url: str, timeout_s: float) -> None:
     raise SystemExit(f"stack not healthy after {timeout_s}s")
 
 
-def start(args: argparse.Namespace, stack: ExitStack, ports: dict[str, int]) -> str:
-    ensure_redis(args.redis_url, stack)
-    common = {"ENCODER_REDIS_URL": args.redis_url, "LLM_REDIS_URL": args.redis_url, "ENCODER_JSON_LOGS": "false",
-              "LLM_JSON_LOGS": "false", "GATEWAY_JSON_LOGS": "false"}
-    encoder_env = {"ENCODER_CHECKPOINT": args.encoder_checkpoint, "ENCODER_PORT": str(ports["encoder"]),
-                   "ENCODER_METRICS_PORT": str(ports["metrics"])}
-    launch("encoder_service", {**common, **encoder_env}, stack)
-    routes = {}
-    for index, (name, checkpoint) in enumerate(args.models.items()):
-        port = ports["llm"] + index if ports["llm"] else free_port()
-        metrics_port = ports["metrics"] + 1 + index if ports["metrics"] else 0
-        llm_env = {"LLM_CHECKPOINT": checkpoint, "LLM_MODEL_NAME": name, "LLM_PORT": str(port), "LLM_METRICS_PORT": str(metrics_port)}
-        launch("llm_service", {**common, **llm_env}, stack)
-        routes[name] = [f"127.0.0.1:{port}"]
-    gateway_env = {"GATEWAY_PORT": str(ports["gateway"]), "GATEWAY_ENCODER_TARGET": f"127.0.0.1:{ports['encoder']}",
-                   "GATEWAY_MODELS": json.dumps(routes)}
-    launch("gateway", gateway_env, stack)
-    base_url = f"http://127.0.0.1:{ports['gateway']}"
-    wait_healthy(base_url, args.start_timeout_s)
-    return base_url
+def start(config: StackConfig, stack: ExitStack) -> RunningStack:
+    """Starts Redis if needed, the encoder, one LLM service per model and the gateway; waits until
+    the gateway reports every backend SERVING. Every process is stopped when `stack` closes."""
+    ensure_redis(config.redis_url, stack)
+    ports = config.ports
+    common = {"ENCODER_REDIS_URL": config.redis_url, "LLM_REDIS_URL": config.redis_url, "ENCODER_JSON_LOGS": "false",
+              "LLM_JSON_LOGS": "false", "GATEWAY_JSON_LOGS": "false"}  # fmt: skip
+    encoder_port, metrics_port = ports.encoder or free_port(), ports.metrics_port(0)
+    encoder_env = {"ENCODER_CHECKPOINT": config.encoder_checkpoint, "ENCODER_PORT": str(encoder_port),
+                   "ENCODER_METRICS_PORT": str(metrics_port)}  # fmt: skip
+    encoder = launch("encoder", "encoder_service", {**common, **encoder_env}, encoder_port, metrics_port, config, stack)
+    llms = {}
+    for index, (name, checkpoint) in enumerate(config.models.items()):
+        port, metrics_port = ports.llm + index if ports.llm else free_port(), ports.metrics_port(1 + index)
+        llm_env = {"LLM_CHECKPOINT": checkpoint, "LLM_MODEL_NAME": name, "LLM_PORT": str(port),
+                   "LLM_METRICS_PORT": str(metrics_port)}  # fmt: skip
+        llms[name] = launch(name, "llm_service", {**common, **llm_env}, port, metrics_port, config, stack)
+    gateway_port = ports.gateway or free_port()
+    gateway_env = {"GATEWAY_PORT": str(gateway_port), "GATEWAY_ENCODER_TARGET": encoder.target,
+                   "GATEWAY_MODELS": json.dumps({name: [llm.target] for name, llm in llms.items()})}  # fmt: skip
+    # The gateway gets only its own settings, as it always has (its logs stay JSON).
+    gateway = launch("gateway", "gateway", gateway_env, gateway_port, 0, config, stack)
+    base_url = f"http://127.0.0.1:{gateway_port}"
+    wait_healthy(base_url, config.start_timeout_s)
+    return RunningStack(base_url, encoder, llms, gateway)
 
 
 def parse_args() -> argparse.Namespace:
@@ -131,18 +229,20 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.command == "serve":
+        ports = Ports(encoder=50051, llm=50061, gateway=int(os.environ.get("GATEWAY_PORT", "8000")), metrics=9090)
+    else:
+        ports = Ports()
+    config = StackConfig(args.redis_url, args.encoder_checkpoint, args.models, ports, args.start_timeout_s)
     with ExitStack() as stack:
+        running = start(config, stack)
         if args.command == "serve":
-            ports = {"encoder": 50051, "llm": 50061, "gateway": int(os.environ.get("GATEWAY_PORT", "8000")), "metrics": 9090}
-            base_url = start(args, stack, ports)
-            print(f"serving: {base_url}/v1 (models: {', '.join(args.models)}); Ctrl-C stops", flush=True)
+            print(f"serving: {running.base_url}/v1 (models: {', '.join(args.models)}); Ctrl-C stops", flush=True)
             # Blocked only now, so the children did not inherit the mask.
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
             signal.sigwait({signal.SIGINT, signal.SIGTERM})
             return
-        ports = {"encoder": free_port(), "llm": 0, "gateway": free_port(), "metrics": 0}
-        base_url = start(args, stack, ports)
-        report = run_fanout(base_url, f"127.0.0.1:{ports['encoder']}", demo_image(), list(args.models))
+        report = run_fanout(running.base_url, running.encoder.target, demo_image(), list(args.models))
         for answer in report.answers:
             print(f"[{answer.model}] {answer.question} -> {answer.text!r}")
         print(f"images encoded by the encoder: {report.images_encoded} (cache hits: {report.cache_hits})", flush=True)

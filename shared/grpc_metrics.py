@@ -28,7 +28,9 @@ def _code(context: grpc.aio.ServicerContext, error: BaseException | None) -> str
         return code.name
     if error is None:
         return "OK"
-    return "CANCELLED" if isinstance(error, asyncio.CancelledError) else "UNKNOWN"
+    # A stream whose client went away ends either way: its task is cancelled, or gRPC closes the
+    # generator (GeneratorExit) when it can no longer write.
+    return "CANCELLED" if isinstance(error, asyncio.CancelledError | GeneratorExit) else "UNKNOWN"
 
 
 class _Observed:

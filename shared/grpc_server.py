@@ -24,7 +24,9 @@ logger = logging.getLogger(__name__)
 # Clients re-resolve DNS only when a connection ends; ageing connections out lets
 # gateways behind a headless Service discover pods added by a scale-up.
 MAX_CONNECTION_AGE_MS = 5 * 60 * 1000
-MAX_CONNECTION_AGE_GRACE_MS = 60 * 1000
+# After the grace, calls still open on an aged connection are cut (UNAVAILABLE "max connection age"):
+# it must cover the longest Generate stream, which the gateway waits for up to its 300 s deadline.
+MAX_CONNECTION_AGE_GRACE_MS = 5 * 60 * 1000
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:

@@ -3,6 +3,7 @@ around each call (error mapping, request context, metrics)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -27,7 +28,11 @@ def rewrap(
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), **serializers)
     if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(wrap_stream(handler.unary_stream), **serializers)
+        # A streaming behaviour either yields its messages (our servicers) or writes them with
+        # context.write() and returns (grpc's own health Watch); the latter is awaited like a unary one.
+        behavior = handler.unary_stream
+        wrapped = wrap_stream(behavior) if inspect.isasyncgenfunction(behavior) else wrap_unary(behavior)
+        return grpc.unary_stream_rpc_method_handler(wrapped, **serializers)
     return handler
 
 

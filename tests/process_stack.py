@@ -1,0 +1,182 @@
+"""The whole stack as real processes, for fault and load tests: our own redis-server (stopped and
+restarted on the same port), the encoder, one LLM service per model and the gateway, launched by
+`scripts/stack.py`'s `start()` on free ports, each with its own /metrics port and log file.
+Tests signal, kill and restart single services; everything is killed when the context ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from scripts.stack import Ports, RunningStack, Service, StackConfig, start
+from tests.harness import RedisServer
+
+GENERATE = "/llm.v1.LLMService/Generate"
+# Settings every process-stack test wants: the reference engine, plain-text logs, and a drain long
+# enough that a SIGTERM test sees a stream finish before the grace period ends.
+TEST_ENV = {"LLM_ENGINE": "transformers", "GATEWAY_JSON_LOGS": "false", "LLM_GRACE_S": "60"}
+
+
+@dataclass
+class ProcessStack:
+    running: RunningStack
+    redis: RedisServer
+    log_dir: Path
+
+    @property
+    def base_url(self) -> str:
+        return self.running.base_url
+
+    def service(self, name: str) -> Service:
+        """The service called "encoder", "gateway" or a model name."""
+        return self.running.services[name]
+
+    def pid(self, name: str) -> int:
+        process = self.service(name).process
+        assert process is not None
+        return process.pid
+
+    def pids(self) -> dict[str, int]:
+        return {name: self.pid(name) for name in self.running.services}
+
+    def alive(self, name: str) -> bool:
+        process = self.service(name).process
+        return process is not None and process.poll() is None
+
+    def send(self, name: str, sig: signal.Signals) -> None:
+        os.kill(self.pid(name), sig)
+
+    def wait_exit(self, name: str, timeout_s: float) -> int:
+        process = self.service(name).process
+        assert process is not None
+        return process.wait(timeout=timeout_s)
+
+    def restart(self, name: str, timeout_s: float = 180) -> None:
+        """Starts the service again on its ports (killing it first if it still runs); waits until
+        the gateway reports every backend SERVING."""
+        service = self.service(name)
+        if service.process is not None and service.process.poll() is None:
+            service.process.kill()
+            service.process.wait()
+        service.launch()
+        self.wait_healthy(timeout_s)
+
+    def ensure_running(self) -> None:
+        """Brings back whatever an earlier test stopped."""
+        if self.redis.process is None:
+            self.redis.start()
+        for name in self.running.services:
+            if not self.alive(name):
+                self.restart(name)
+
+    def wait_healthy(self, timeout_s: float = 180) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"stack not healthy after {timeout_s}s\n{self.log_tails()}")
+
+    def grpc_health(self, name: str) -> str:
+        """SERVING / NOT_SERVING as the service itself reports it, or the RPC error's code name."""
+        with grpc.insecure_channel(self.service(name).target) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            except grpc.RpcError as error:
+                return error.code().name
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def metrics_url(self, name: str) -> str:
+        service = self.service(name)
+        port = service.metrics_port or service.port  # the gateway serves /metrics on its HTTP port
+        return f"http://127.0.0.1:{port}/metrics"
+
+    def metric(self, name: str, sample: str, **labels: str) -> float:
+        """Sum of the samples called `sample` whose labels include `labels`, from the service's /metrics."""
+        text = httpx.get(self.metrics_url(name), timeout=5).text
+        return sum(
+            s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == sample and labels.items() <= s.labels.items()
+        )
+
+    def rss_bytes(self, name: str) -> int:
+        """Resident memory of the service process now (VmRSS)."""
+        for line in Path(f"/proc/{self.pid(name)}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError(f"no VmRSS for {name}")
+
+    def cpu_seconds(self, name: str) -> float:
+        """CPU time the service process has used so far (user + system)."""
+        fields = Path(f"/proc/{self.pid(name)}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        path = self.service(name).log_path
+        text = path.read_text(errors="replace") if path and path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def log_tails(self, lines: int = 15) -> str:
+        return log_tails(self.log_dir, lines)
+
+
+def log_tails(log_dir: Path, lines: int = 15) -> str:
+    """The last lines of every service's log, for failure messages."""
+    return "\n".join(
+        f"--- {path.stem} ---\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        for path in sorted(log_dir.glob("*.log"))
+    )
+
+
+@contextmanager
+def process_stack(
+    checkpoints: dict[str, Path], workdir: Path, env: dict[str, str] | None = None
+) -> Iterator[ProcessStack]:
+    """Redis, encoder, ft-a and ft-b LLM services and the gateway as processes; all killed at exit."""
+    (workdir / "redis").mkdir(parents=True, exist_ok=True)
+    logs = workdir / "logs"
+    logs.mkdir(exist_ok=True)
+    redis_server = RedisServer(workdir / "redis")
+    redis_server.start()
+    config = StackConfig(
+        redis_url=redis_server.url,
+        encoder_checkpoint=str(checkpoints["base"]),
+        models={name: str(checkpoints[name]) for name in ("ft-a", "ft-b")},
+        ports=Ports(metrics=0),
+        start_timeout_s=240,
+        env={**TEST_ENV, **(env or {})},
+        log_dir=logs,
+        tied_to_parent=True,
+    )
+    try:
+        with ExitStack() as stack:
+            try:
+                running = start(config, stack)
+            except SystemExit as error:  # start() speaks to a terminal; a test wants the logs
+                raise RuntimeError(f"{error}\n{log_tails(logs)}") from None
+            processes = ProcessStack(running, redis_server, logs)
+            try:
+                yield processes
+            finally:  # no drain at teardown: kill, so a stuck test cannot hold the run
+                for service in running.services.values():
+                    if service.process is not None and service.process.poll() is None:
+                        service.process.kill()
+                        service.process.wait()
+    finally:
+        if redis_server.process is not None:
+            redis_server.stop()
