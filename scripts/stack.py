@@ -219,7 +219,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoints-dir", type=Path, default=REPO / "checkpoints")
     parser.add_argument("--start-timeout-s", type=float, default=300)
     args = parser.parse_args()
+    args.env = {}
     if not args.encoder_checkpoint or not args.models:
+        # Tiny models need a tiny vLLM KV cache: its default takes most of the machine's RAM.
+        args.env = {"LLM_KV_CACHE_GIB": "1", "LLM_MAX_MODEL_LEN": "2048"}
         built = build_all(args.checkpoints_dir)
         args.encoder_checkpoint = args.encoder_checkpoint or str(built["base"])
         args.models = args.models or f"ft-a={built['ft-a']},ft-b={built['ft-b']}"
@@ -233,7 +236,7 @@ def main() -> None:
         ports = Ports(encoder=50051, llm=50061, gateway=int(os.environ.get("GATEWAY_PORT", "8000")), metrics=9090)
     else:
         ports = Ports()
-    config = StackConfig(args.redis_url, args.encoder_checkpoint, args.models, ports, args.start_timeout_s)
+    config = StackConfig(args.redis_url, args.encoder_checkpoint, args.models, ports, args.start_timeout_s, args.env)
     with ExitStack() as stack:
         running = start(config, stack)
         if args.command == "serve":
