@@ -13,7 +13,15 @@ def main() -> None:
     settings = GatewaySettings()
     configure_logging("gateway", settings.log_level, settings.json_logs)
     # log_config=None: uvicorn's loggers go through our (JSON) handler instead of its own.
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None)
+    # A keep-alive shorter than the client's lets the server close a connection the client is
+    # about to reuse (a ReadError on its next request); see GATEWAY_KEEP_ALIVE_S.
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        timeout_keep_alive=settings.keep_alive_s,
+    )
 
 
 if __name__ == "__main__":

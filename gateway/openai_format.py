@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from gateway.openai_logprobs import logprobs_body
-from shared.errors import ServiceError
+from shared.errors import Internal, ServiceError
 from shared.sdk import GenerationChunk, TokenLogprob
 
+logger = logging.getLogger(__name__)
 IndexedChunks = AsyncIterator[tuple[int, GenerationChunk]]
 
 
@@ -111,4 +113,7 @@ async def event_stream(
             yield frame([], usage=usage.as_dict())
     except ServiceError as error:
         yield _sse(error_body(error))
+    except Exception:  # a bug must still end the stream properly, not cut the connection
+        logger.exception("unexpected error while streaming %s", completion_id)
+        yield _sse(error_body(Internal("internal error; see the gateway log")))
     yield "data: [DONE]\n\n"

@@ -23,6 +23,9 @@ class GatewaySettings(BaseSettings):
     )
     request_timeout_s: float = Field(300.0, gt=0, description="Deadline of one backend call.")
     max_images_per_request: int = Field(16, gt=0, description="Most images in one chat request.")
+    keep_alive_s: float = Field(
+        75.0, gt=0, description="HTTP keep-alive; longer than load balancers' idle timeouts, so they close first."
+    )
     max_body_bytes: int = Field(48 * 1024 * 1024, gt=0, description="Largest request body accepted.")
     grpc_max_message_bytes: int = Field(
         DEFAULT_GRPC_MAX_MESSAGE_BYTES, gt=0, description="Largest gRPC message to backends."

@@ -19,7 +19,7 @@ import hashlib
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
 from shared.checkpoints import (
     SPECIAL_TOKENS,
@@ -27,9 +27,9 @@ from shared.checkpoints import (
     is_complete,
     is_vision_key,
     preprocessor_config,
+    save_checkpoint,
     staging,
     tiny_config,
-    write_json,
 )
 
 STORED_DTYPE = torch.bfloat16
@@ -105,14 +105,7 @@ def _build(out_dir: Path, vision_seed: int, text_seed: int) -> Path:
         config = bench_config()
         model = Qwen2VLForConditionalGeneration._from_config(config, dtype=STORED_DTYPE)
         _randomize(model, vision_seed, text_seed, tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)))
-        model.generation_config = GenerationConfig(
-            bos_token_id=config.text_config.bos_token_id,
-            eos_token_id=config.text_config.eos_token_id,
-            pad_token_id=config.text_config.pad_token_id,
-        )
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        write_json(tmp / "preprocessor_config.json", bench_preprocessor_config())
+        save_checkpoint(model, tokenizer, bench_preprocessor_config(), tmp)
     return out_dir
 
 

@@ -219,6 +219,21 @@ def _randomize(model: Qwen2VLForConditionalGeneration, seed: int) -> None:
             param.copy_(torch.randn(param.shape, generator=gen) * std)
 
 
+def save_checkpoint(
+    model: Qwen2VLForConditionalGeneration, tokenizer: Qwen2Tokenizer, preprocessor: dict, out_dir: Path
+) -> None:
+    """Weights, a generation config that ends on the chat's eos, the tokenizer and the image processor config."""
+    text_config = model.config.text_config
+    model.generation_config = GenerationConfig(
+        bos_token_id=text_config.bos_token_id,
+        eos_token_id=text_config.eos_token_id,
+        pad_token_id=text_config.pad_token_id,
+    )
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    write_json(out_dir / "preprocessor_config.json", preprocessor)
+
+
 def build_tiny_base(out_dir: Path, seed: int = 0) -> Path:
     """Build the base checkpoint into out_dir (skipped when already complete); returns out_dir."""
     out_dir = Path(out_dir)
@@ -230,14 +245,7 @@ def build_tiny_base(out_dir: Path, seed: int = 0) -> Path:
         torch.manual_seed(seed)
         model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
         _randomize(model, seed)
-        model.generation_config = GenerationConfig(
-            bos_token_id=config.text_config.bos_token_id,
-            eos_token_id=config.text_config.eos_token_id,
-            pad_token_id=config.text_config.pad_token_id,
-        )
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        write_json(tmp / "preprocessor_config.json", preprocessor_config())
+        save_checkpoint(model, tokenizer, preprocessor_config(), tmp)
     return out_dir
 
 

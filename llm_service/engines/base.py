@@ -122,6 +122,17 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # (token id, logprob)
 
 
+def eos_token_ids(configured: int | list[int] | None, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Every id that ends a generation: the generation config's eos id(s) plus the tokenizer's.
+    Both engines use this one set, so they stop on the same token."""
+    ids = set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if not ids:
+        raise ValueError("checkpoint defines no eos token")
+    return ids
+
+
 @dataclass
 class GenerationDelta:
     """A streamed piece of output. The last delta has finish_reason set; usage counts are running totals.

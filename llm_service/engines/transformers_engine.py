@@ -34,6 +34,7 @@ from llm_service.engines.base import (
     GenerationDelta,
     SamplingParams,
     TokenLogprob,
+    eos_token_ids,
     validate_request,
 )
 from llm_service.engines.logits import Penalties, RawLogprobs
@@ -144,7 +145,7 @@ class TransformersEngine(Engine):
         self.vocab_size: int = model.config.text_config.vocab_size
         self.image_token_id: int = model.config.image_token_id
         self.merge_size: int = model.config.vision_config.spatial_merge_size
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_token_ids(model.generation_config.eos_token_id, tokenizer)
         self.pad_token_id: int = _pad_id(model, tokenizer, self.eos_ids)
         # One worker thread serialises generations without a lock that a cancelled consumer could leak.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers-engine")
@@ -254,16 +255,6 @@ class TransformersEngine(Engine):
 
     def _validate(self, request: EngineRequest) -> None:
         validate_request(request, EngineShape(self.vocab_size, self.hidden_size, self.image_token_id, self.merge_size))
-
-
-def _eos_ids(model: Qwen2VLForConditionalGeneration, tokenizer: PreTrainedTokenizerBase) -> set[int]:
-    configured = model.generation_config.eos_token_id
-    ids = set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    if not ids:
-        raise ValueError("checkpoint defines no eos token")
-    return ids
 
 
 def _pad_id(model: Qwen2VLForConditionalGeneration, tokenizer: PreTrainedTokenizerBase, eos_ids: set[int]) -> int:

@@ -38,6 +38,7 @@ from llm_service.engines.base import (
     GenerationDelta,
     SamplingParams,
     TokenLogprob,
+    eos_token_ids,
     validate_request,
 )
 
@@ -239,14 +240,9 @@ def _finish_reason(reason: str | None) -> FinishReason:
 
 
 def _eos_ids(path: Path, config: Qwen2VLConfig, tokenizer: PreTrainedTokenizerBase) -> set[int]:
-    """Same set as the transformers engine: generation config eos ids plus the tokenizer's."""
+    """Same set as the transformers engine (which reads the checkpoint's generation config)."""
     try:
         configured = GenerationConfig.from_pretrained(path).eos_token_id
     except OSError:  # no generation_config.json: transformers derives one from the model config
         configured = GenerationConfig.from_model_config(config).eos_token_id
-    ids = set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    if not ids:
-        raise ValueError("checkpoint defines no eos token")
-    return ids
+    return eos_token_ids(configured, tokenizer)
