@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -16,10 +17,11 @@ from encoder_service import metrics
 from encoder_service.batcher import MicroBatcher
 from encoder_service.fetch import FetchPolicy, fetch_image
 from encoder_service.images import decode_data_url, load_image
-from encoder_service.vision import VisionEncoder
-from shared.blob import BlobRules, EmbeddingBlob, decode_blob, encode_blob
+from encoder_service.video import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, preprocess_video
+from encoder_service.vision import Preprocessed, VisionEncoder
+from shared.blob import BlobRules, EmbeddingBlob, Modality, decode_blob, encode_blob
 from shared.errors import EmbeddingNotFound, InvalidEmbedding, InvalidInput, TooLarge
-from shared.keys import embedding_key
+from shared.keys import embedding_key, video_key
 from shared.store import EmbeddingStore
 
 logger = logging.getLogger(__name__)
@@ -55,6 +57,9 @@ class EncoderLimits:
     max_decoded_pixels: int
     max_pixels_limit: int
     fetch: FetchPolicy
+    max_video_frames: int = 64
+    video_min_pixels: int = VIDEO_MIN_PIXELS
+    video_max_pixels: int = VIDEO_MAX_PIXELS
 
 
 @dataclass
@@ -76,13 +81,49 @@ class EncoderCore:
         image_bytes = await self._image_bytes(source)
         min_px, max_px = self._pixel_bounds(min_pixels, max_pixels)
         key = embedding_key(self.encoder_id, image_bytes, min_px, max_px)
+
+        def preprocess() -> Preprocessed:
+            image = load_image(image_bytes, self.limits.max_decoded_pixels)
+            return self.vision.preprocess(image, min_px, max_px)
+
+        return await self._single_flight(key, "image", preprocess)
+
+    async def encode_video(self, frames: list[ImageSource], min_pixels: int = 0, max_pixels: int = 0) -> EncodeResult:
+        """Key of a video's stored embeddings (frames in order), encoding only when Redis lacks it."""
+        if not frames:
+            raise InvalidInput("a video needs at least one frame", param="frames")
+        if len(frames) > self.limits.max_video_frames:
+            raise InvalidInput(
+                f"video has {len(frames)} frames; the limit is {self.limits.max_video_frames}", param="frames"
+            )
+        frame_bytes = await asyncio.gather(
+            *(self._image_bytes(frame, f"frames[{i}]") for i, frame in enumerate(frames))
+        )
+        min_px, max_px = self._pixel_bounds(
+            min_pixels, max_pixels, self.limits.video_min_pixels, self.limits.video_max_pixels
+        )
+        key = video_key(self.encoder_id, frame_bytes, min_px, max_px)
+
+        def preprocess() -> Preprocessed:
+            decoded = [
+                load_image(data, self.limits.max_decoded_pixels, param=f"frames[{i}]")
+                for i, data in enumerate(frame_bytes)
+            ]
+            return preprocess_video(self.vision.processor, decoded, min_px, max_px)
+
+        return await self._single_flight(key, "video", preprocess)
+
+    async def _single_flight(
+        self, key: str, modality: Modality, preprocess: Callable[[], Preprocessed]
+    ) -> EncodeResult:
+        """Encodes under `key` once, however many callers ask for it at the same time."""
         running = self._in_flight.get(key)
         if running is not None:
             self.counters.coalesced += 1
             metrics.COALESCED.inc()
             result = await asyncio.shield(running)
             return EncodeResult(result.key, result.grid_thw, result.num_tokens, True, result.encoder_id)
-        task = asyncio.create_task(self._encode_or_reuse(key, image_bytes, min_px, max_px))
+        task = asyncio.create_task(self._encode_or_reuse(key, modality, preprocess))
         self._in_flight[key] = task
         task.add_done_callback(lambda _: self._in_flight.pop(key, None))
         # Shielded: a caller that goes away does not cancel work others may be waiting on.
@@ -94,24 +135,28 @@ class EncoderCore:
             raise EmbeddingNotFound(f"no embedding stored under {key!r}", keys=[key], param="key")
         return data
 
-    async def _image_bytes(self, source: ImageSource) -> bytes:
+    async def _image_bytes(self, source: ImageSource, frame: str | None = None) -> bytes:
+        """The image file's bytes; errors name `frame` (frames[i]) when the image is a video frame."""
         if (source.data is None) == (source.url is None):
-            raise InvalidInput("exactly one of image_bytes or image_url must be set", param="source")
+            raise InvalidInput("exactly one of image_bytes or image_url must be set", param=frame or "source")
         if source.data is not None:
             data = source.data
         elif source.url.startswith("data:"):
-            data = decode_data_url(source.url, self.limits.max_image_bytes)
+            data = decode_data_url(source.url, self.limits.max_image_bytes, frame or "image_url")
         else:
-            data = await fetch_image(source.url, self.limits.fetch)
+            data = await fetch_image(source.url, self.limits.fetch, frame or "image_url")
         if len(data) > self.limits.max_image_bytes:
             raise TooLarge(
-                f"image is {len(data)} bytes, over the limit of {self.limits.max_image_bytes}", param="image"
+                f"image is {len(data)} bytes, over the limit of {self.limits.max_image_bytes}", param=frame or "image"
             )
         return data
 
-    def _pixel_bounds(self, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-        min_px = min_pixels or self.vision.default_min_pixels
-        max_px = max_pixels or self.vision.default_max_pixels
+    def _pixel_bounds(
+        self, min_pixels: int, max_pixels: int, default_min: int | None = None, default_max: int | None = None
+    ) -> tuple[int, int]:
+        max_px = max_pixels or default_max or self.vision.default_max_pixels
+        # A caller who lowers only max_pixels gets a default minimum that fits under it.
+        min_px = min_pixels or min(default_min or self.vision.default_min_pixels, max_px)
         if min_pixels < 0 or max_pixels < 0:
             raise InvalidInput("min_pixels and max_pixels must not be negative", param="min_pixels")
         if max_px > self.limits.max_pixels_limit:
@@ -122,7 +167,9 @@ class EncoderCore:
             raise InvalidInput(f"min_pixels {min_px} is greater than max_pixels {max_px}", param="min_pixels")
         return min_px, max_px
 
-    async def _encode_or_reuse(self, key: str, image_bytes: bytes, min_px: int, max_px: int) -> EncodeResult:
+    async def _encode_or_reuse(
+        self, key: str, modality: Modality, preprocess: Callable[[], Preprocessed]
+    ) -> EncodeResult:
         stored = await self.store.get_and_touch(key)
         if stored is not None:
             try:
@@ -133,10 +180,9 @@ class EncoderCore:
             except InvalidEmbedding:
                 logger.warning("stored blob %s breaks the contract; re-encoding", key)
         started = time.perf_counter()
-        image = await asyncio.to_thread(load_image, image_bytes, self.limits.max_decoded_pixels)
-        pixel_values, grid_thw = await asyncio.to_thread(self.vision.preprocess, image, min_px, max_px)
+        pixel_values, grid_thw = await asyncio.to_thread(preprocess)
         embeds = await self.batcher.submit((pixel_values, grid_thw))
-        blob = EmbeddingBlob(embeds, grid_thw, self.encoder_id, "image")
+        blob = EmbeddingBlob(embeds, grid_thw, self.encoder_id, modality)
         data = await asyncio.to_thread(encode_blob, blob, self.rules)
         await self.store.put(key, data)
         self.counters.images_encoded += 1

@@ -52,6 +52,9 @@ def build_core(settings: EncoderSettings) -> EncoderCore:
         max_image_bytes=settings.max_image_bytes,
         max_decoded_pixels=settings.max_decoded_pixels,
         max_pixels_limit=settings.max_pixels_limit,
+        max_video_frames=settings.max_video_frames,
+        video_min_pixels=settings.video_min_pixels,
+        video_max_pixels=settings.video_max_pixels,
         fetch=FetchPolicy(
             settings.fetch_timeout_s,
             settings.max_image_bytes,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from encoder_service.core import EncoderCore, ImageSource
+from encoder_service.core import EncoderCore, EncodeResult, ImageSource
 from shared.pb.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 
 
@@ -15,19 +15,14 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     async def Encode(
         self, request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext
     ) -> encoder_pb2.EncodeReply:
-        which = request.WhichOneof("source")
-        source = ImageSource(
-            data=request.image_bytes if which == "image_bytes" else None,
-            url=request.image_url if which == "image_url" else None,
-        )
-        result = await self._core.encode(source, request.min_pixels, request.max_pixels)
-        return encoder_pb2.EncodeReply(
-            key=result.key,
-            grid_thw=result.grid_thw,
-            num_tokens=result.num_tokens,
-            cache_hit=result.cache_hit,
-            encoder_id=result.encoder_id,
-        )
+        result = await self._core.encode(_source(request), request.min_pixels, request.max_pixels)
+        return _reply(result)
+
+    async def EncodeVideo(
+        self, request: encoder_pb2.EncodeVideoRequest, context: grpc.aio.ServicerContext
+    ) -> encoder_pb2.EncodeReply:
+        frames = [_source(frame) for frame in request.frames]
+        return _reply(await self._core.encode_video(frames, request.min_pixels, request.max_pixels))
 
     async def GetEmbedding(
         self, request: encoder_pb2.GetEmbeddingRequest, context: grpc.aio.ServicerContext
@@ -45,3 +40,21 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             coalesced=counters.coalesced,
             forward_passes=self._core.batcher.batches_run,
         )
+
+
+def _source(message: encoder_pb2.EncodeRequest | encoder_pb2.Frame) -> ImageSource:
+    which = message.WhichOneof("source")
+    return ImageSource(
+        data=message.image_bytes if which == "image_bytes" else None,
+        url=message.image_url if which == "image_url" else None,
+    )
+
+
+def _reply(result: EncodeResult) -> encoder_pb2.EncodeReply:
+    return encoder_pb2.EncodeReply(
+        key=result.key,
+        grid_thw=result.grid_thw,
+        num_tokens=result.num_tokens,
+        cache_hit=result.cache_hit,
+        encoder_id=result.encoder_id,
+    )

@@ -37,5 +37,12 @@ class EncoderSettings(StoreSettings, GrpcServerSettings):
         default_factory=list,
         description="Hosts (and their subdomains) images may be fetched from (JSON list); empty = any.",
     )
+    max_video_frames: int = Field(64, ge=1, description="Most frames in one video.")
+    video_min_pixels: int = Field(
+        128 * 28 * 28, gt=0, description="Default lower bound on a video frame's resized pixel count."
+    )
+    video_max_pixels: int = Field(
+        768 * 28 * 28, gt=0, description="Default upper bound on a video frame's resized pixel count."
+    )
     max_batch_size: int = Field(8, ge=1, description="Most images in one vision-tower forward pass.")
     batch_wait_ms: float = Field(5.0, ge=0, description="How long the first image of a batch waits for others.")

@@ -54,7 +54,7 @@ async def main() -> None:
         # One stored embedding serves every model; no model re-encodes the image.
         questions = (ask(name, target, image.key, args.question, args.max_tokens) for name, target in models.items())
         answers = await asyncio.gather(*questions)
-        for name, answer in zip(models, answers):
+        for name, answer in zip(models, answers, strict=True):
             print(f"[{name}] {answer}")
         stats = await encoder.stats()
         print(f"encoder stats: images_encoded={stats.images_encoded} cache_hits={stats.cache_hits} passes={stats.forward_passes}")

@@ -1,4 +1,4 @@
-"""The gateway's FastAPI app: OpenAI chat completions, model listing, image encoding, health."""
+"""The gateway's FastAPI app: OpenAI chat completions, model listing, image and video encoding, health."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ from gateway.backends import Backends
 from gateway.chat import generate, prepare
 from gateway.errors import error_response, install_error_handlers
 from gateway.openai_format import IndexedChunks, completion, event_stream
-from gateway.schemas import ChatCompletionRequest, EncodeImageRequest, EncodeImageResponse
+from gateway.schemas import ChatCompletionRequest, EncodeImageRequest, EncodeImageResponse, EncodeVideoRequest
 from gateway.settings import GatewaySettings
 from shared.errors import ServiceError, TooLarge
+from shared.sdk import AsyncEncoderClient, EncodedImage
 
 logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/livez", "/readyz", "/metrics", "/docs", "/openapi.json")
@@ -46,6 +47,16 @@ async def _released(events: AsyncIterator[str], admission: Admission) -> AsyncIt
             yield event
     finally:
         admission.leave()
+
+
+async def _encode_response(
+    encoder: AsyncEncoderClient, result: EncodedImage, return_embeddings: bool
+) -> EncodeImageResponse:
+    blob = await encoder.get_embedding(result.key) if return_embeddings else None
+    return EncodeImageResponse(
+        key=result.key, grid_thw=result.grid_thw, num_tokens=result.num_tokens, encoder_id=result.encoder_id,
+        cache_hit=result.cache_hit, embeddings=base64.b64encode(blob).decode() if blob is not None else None,
+    )  # fmt: skip
 
 
 def _install_middleware(app: FastAPI, settings: GatewaySettings, api_keys: ApiKeys) -> None:
@@ -126,11 +137,16 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             max_pixels=body.max_pixels,
             request_id=request.state.request_id,
         )
-        blob = await encoder.get_embedding(result.key) if body.return_embeddings else None
-        return EncodeImageResponse(
-            key=result.key, grid_thw=result.grid_thw, num_tokens=result.num_tokens, encoder_id=result.encoder_id,
-            cache_hit=result.cache_hit, embeddings=base64.b64encode(blob).decode() if blob is not None else None,
-        )  # fmt: skip
+        return await _encode_response(encoder, result, body.return_embeddings)
+
+    @app.post("/v1/videos/encode")
+    async def encode_video(body: EncodeVideoRequest, request: Request) -> EncodeImageResponse:
+        """Encodes a video (its frames, in order) once and returns the key for a video_embeds part."""
+        encoder = request.app.state.backends.encoder
+        result = await encoder.encode_video(
+            body.frames, min_pixels=body.min_pixels, max_pixels=body.max_pixels, request_id=request.state.request_id
+        )
+        return await _encode_response(encoder, result, body.return_embeddings)
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics() -> Response:

@@ -1,4 +1,4 @@
-"""Chat completion flow: encode image_url parts once, route to the model's LLM
+"""Chat completion flow: encode image_url and video parts once, route to the model's LLM
 service, and re-encode once if a stored key vanished before the LLM read it."""
 
 from __future__ import annotations
@@ -12,19 +12,31 @@ from dataclasses import dataclass
 from gateway import metrics
 from gateway.backends import Backends
 from gateway.inline_embeds import inline_blob
-from gateway.schemas import ChatCompletionRequest, ImageEmbedsPart, ImageUrlPart
+from gateway.schemas import (
+    ChatCompletionRequest,
+    ImageEmbedsPart,
+    ImageUrlPart,
+    MediaPart,
+    TextPart,
+    VideoEmbedsPart,
+    VideoPart,
+)
 from gateway.settings import GatewaySettings
 from gateway.streams import merge_indexed
 from shared.errors import EmbeddingNotFound, InvalidInput
-from shared.sdk import GenerationChunk, ImageKey, InlineEmbedding, Message, Sampling
+from shared.sdk import EncodedImage, GenerationChunk, ImageKey, InlineEmbedding, Message, Sampling, VideoKey
+
+# What a key was encoded from: an image URL, or a video's frame URLs.
+Source = str | tuple[str, ...]
+ContentItem = str | ImageKey | VideoKey | InlineEmbedding
 
 
 @dataclass
 class PreparedChat:
-    """The request in SDK form, plus the image URLs behind each key we produced."""
+    """The request in SDK form, plus the image URLs (or video frames) behind each key we produced."""
 
     messages: list[Message]
-    sources: dict[str, str]  # key -> image URL, for re-encoding
+    sources: dict[str, Source]  # key -> what to encode again if the key vanishes
 
 
 def _sampling(request: ChatCompletionRequest) -> Sampling:
@@ -41,63 +53,92 @@ def _sampling(request: ChatCompletionRequest) -> Sampling:
     )
 
 
-def _image_parts(request: ChatCompletionRequest) -> list[tuple[str, ImageUrlPart | ImageEmbedsPart]]:
-    """(param path, part) of every image part, in order."""
+def _media_parts(request: ChatCompletionRequest) -> list[MediaPart]:
+    """Every image and video part, in order."""
     return [
-        (f"messages[{i}].content[{j}]", part)
-        for i, message in enumerate(request.messages)
+        part
+        for message in request.messages
         if isinstance(message.content, list)
-        for j, part in enumerate(message.content)
-        if isinstance(part, ImageUrlPart | ImageEmbedsPart)
+        for part in message.content
+        if isinstance(part, MediaPart)
     ]
 
 
-async def _encode_urls(request: ChatCompletionRequest, backends: Backends, request_id: str) -> dict[str, str]:
-    """URL -> key, each distinct URL encoded once, concurrently."""
-    urls = list(dict.fromkeys(p.image_url.url for _, p in _image_parts(request) if isinstance(p, ImageUrlPart)))
-    encoded = await asyncio.gather(*(backends.encoder.encode(image_url=url, request_id=request_id) for url in urls))
-    return {url: result.key for url, result in zip(urls, encoded, strict=True)}
+def _source(part: ImageUrlPart | VideoPart) -> Source:
+    return part.image_url.url if isinstance(part, ImageUrlPart) else tuple(part.video)
+
+
+async def _encode(backends: Backends, source: Source, request_id: str) -> EncodedImage:
+    if isinstance(source, str):
+        return await backends.encoder.encode(image_url=source, request_id=request_id)
+    return await backends.encoder.encode_video(list(source), request_id=request_id)
+
+
+async def _encode_sources(request: ChatCompletionRequest, backends: Backends, request_id: str) -> dict[Source, str]:
+    """Source -> key, each distinct image URL or frame list encoded once, concurrently."""
+    parts = _media_parts(request)
+    sources = list(dict.fromkeys(_source(p) for p in parts if isinstance(p, ImageUrlPart | VideoPart)))
+    encoded = await asyncio.gather(*(_encode(backends, source, request_id) for source in sources))
+    return {source: result.key for source, result in zip(sources, encoded, strict=True)}
 
 
 async def _inline(
-    part: ImageEmbedsPart, param: str, request: ChatCompletionRequest, backends: Backends, settings: GatewaySettings
+    part: ImageEmbedsPart | VideoEmbedsPart,
+    param: str,
+    request: ChatCompletionRequest,
+    backends: Backends,
+    settings: GatewaySettings,
 ) -> InlineEmbedding:
+    modality = "image" if isinstance(part, ImageEmbedsPart) else "video"
     if not settings.allow_inline_embeds:
         raise InvalidInput(
-            "inline image_embeds are disabled on this gateway; reference a stored key with uuid", param=param
+            f"inline {modality}_embeds are disabled on this gateway; reference a stored key with uuid", param=param
         )
     encoder_ids = (await backends.model_info(request.model)).accepted_encoder_ids
-    assert part.image_embeds is not None and part.image_grid_thw is not None  # checked by the schema
-    return InlineEmbedding(inline_blob(part.image_embeds, part.image_grid_thw, encoder_ids[0], param))
+    embeds, grid = (
+        (part.image_embeds, part.image_grid_thw) if modality == "image" else (part.video_embeds, part.video_grid_thw)
+    )
+    assert embeds is not None and grid is not None  # checked by the schema
+    return InlineEmbedding(inline_blob(embeds, grid, encoder_ids[0], param, modality), modality)
+
+
+async def _content_item(
+    part: TextPart | MediaPart, param: str, key_of: dict[Source, str], request: ChatCompletionRequest, backends: Backends,
+    settings: GatewaySettings,
+) -> ContentItem:  # fmt: skip
+    if isinstance(part, ImageUrlPart):
+        return ImageKey(key_of[_source(part)])
+    if isinstance(part, VideoPart):
+        return VideoKey(key_of[_source(part)])
+    if isinstance(part, ImageEmbedsPart | VideoEmbedsPart) and part.uuid is not None:
+        return ImageKey(part.uuid) if isinstance(part, ImageEmbedsPart) else VideoKey(part.uuid)
+    if isinstance(part, ImageEmbedsPart | VideoEmbedsPart):
+        return await _inline(part, param, request, backends, settings)
+    return part.text
 
 
 async def prepare(
     request: ChatCompletionRequest, backends: Backends, settings: GatewaySettings, request_id: str
 ) -> PreparedChat:
-    """Turns every image part into a stored key or an inline blob, in order."""
-    images = _image_parts(request)
-    if len(images) > settings.max_images_per_request:
+    """Turns every image and video part into a stored key or an inline blob, in order."""
+    media = _media_parts(request)
+    if len(media) > settings.max_images_per_request:
         raise InvalidInput(
-            f"{len(images)} images in one request; the limit is {settings.max_images_per_request}", param="messages"
+            f"{len(media)} images and videos in one request; the limit is {settings.max_images_per_request}",
+            param="messages",
         )
-    key_of = await _encode_urls(request, backends, request_id)
+    key_of = await _encode_sources(request, backends, request_id)
     messages = []
     for i, message in enumerate(request.messages):
         if isinstance(message.content, str):
             messages.append(Message(message.role, [message.content]))
             continue
-        content: list[str | ImageKey | InlineEmbedding] = []
-        for j, part in enumerate(message.content):
-            if isinstance(part, ImageUrlPart):
-                content.append(ImageKey(key_of[part.image_url.url]))
-            elif isinstance(part, ImageEmbedsPart) and part.uuid is not None:
-                content.append(ImageKey(part.uuid))
-            elif isinstance(part, ImageEmbedsPart):
-                content.append(await _inline(part, f"messages[{i}].content[{j}]", request, backends, settings))
-            else:
-                content.append(part.text)
+        content = [
+            await _content_item(part, f"messages[{i}].content[{j}]", key_of, request, backends, settings)
+            for j, part in enumerate(message.content)
+        ]
         messages.append(Message(message.role, content))
-    return PreparedChat(messages, {key: url for url, key in key_of.items()})
+    return PreparedChat(messages, {key: source for source, key in key_of.items()})
 
 
 async def _one_choice(
@@ -113,9 +154,7 @@ async def _one_choice(
         lost = [key for key in error.keys if key in chat.sources]
         if not lost or len(lost) != len(error.keys):
             raise
-        await asyncio.gather(
-            *(backends.encoder.encode(image_url=chat.sources[key], request_id=request_id) for key in lost)
-        )
+        await asyncio.gather(*(_encode(backends, chat.sources[key], request_id) for key in lost))
         stream = llm.generate(request.model, chat.messages, sampling, request_id)
         first = await anext(stream)
     first_at = time.perf_counter()

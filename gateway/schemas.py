@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 MAX_TOKENS_BOUND = 1_000_000
 MAX_PIXELS_BOUND = 1_000_000_000
 MAX_GRID_SIDE = 65_535
+MAX_FRAMES_BOUND = 1024  # the encoder applies its own, tighter frame limit
 
 
 class TextPart(BaseModel):
@@ -56,7 +57,45 @@ class ImageEmbedsPart(BaseModel):
         return self
 
 
-ContentPart = Annotated[TextPart | ImageUrlPart | ImageEmbedsPart, Field(discriminator="type")]
+class VideoPart(BaseModel):
+    """A video as its frames, in order (Qwen2-VL's list-of-frames form): encoded once into a
+    grid with t = ceil(frames / 2)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["video"]
+    video: list[Annotated[str, Field(min_length=1)]] = Field(
+        min_length=1, max_length=MAX_FRAMES_BOUND, description="Frame images: http(s) or data:image/...;base64 URLs."
+    )
+
+
+class VideoEmbedsPart(BaseModel):
+    """Video embeddings instead of frames: a stored key (`uuid`), or inline like image_embeds."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["video_embeds"]
+    uuid: str | None = Field(
+        None, min_length=1, description="Key of stored video embeddings, as returned by /v1/videos/encode."
+    )
+    video_embeds: str | None = Field(
+        None, description="null with `uuid`; else base64 of a [tokens, hidden] tensor as .npy or safetensors bytes."
+    )
+    video_grid_thw: list[Annotated[int, Field(ge=1, le=MAX_GRID_SIDE)]] | None = Field(
+        None, min_length=3, max_length=3, description="[t, h, w] of inline embeddings (required with video_embeds)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> VideoEmbedsPart:
+        if (self.uuid is None) == (self.video_embeds is None):
+            raise ValueError("set exactly one of uuid (a stored key) or video_embeds (inline, with video_grid_thw)")
+        if self.video_embeds is not None and self.video_grid_thw is None:
+            raise ValueError("inline video_embeds need video_grid_thw [t, h, w]")
+        return self
+
+
+MediaPart = ImageUrlPart | ImageEmbedsPart | VideoPart | VideoEmbedsPart
+ContentPart = Annotated[
+    TextPart | ImageUrlPart | ImageEmbedsPart | VideoPart | VideoEmbedsPart, Field(discriminator="type")
+]
 
 
 class ChatMessage(BaseModel):
@@ -125,12 +164,23 @@ class EncodeImageRequest(BaseModel):
 
 
 class EncodeImageResponse(BaseModel):
-    key: str = Field(description="Use as `uuid` of an image_embeds content part.")
-    grid_thw: list[int] = Field(description="[t, h, w] in patches.")
-    num_tokens: int = Field(description="Prompt tokens the image occupies.")
+    key: str = Field(description="Use as `uuid` of an image_embeds (video: video_embeds) content part.")
+    grid_thw: list[int] = Field(description="[t, h, w] in patches; t > 1 for a video of more than two frames.")
+    num_tokens: int = Field(description="Prompt tokens the image (or video) occupies.")
     encoder_id: str
     cache_hit: bool
     embeddings: str | None = Field(
         None,
-        description="With return_embeddings: base64 safetensors with image_embeds [tokens, hidden] and image_grid_thw [1, 3].",
+        description="With return_embeddings: base64 safetensors with image_embeds [tokens, hidden] and image_grid_thw "
+        "[1, 3] (a video's: video_embeds, video_grid_thw).",
     )
+
+
+class EncodeVideoRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    frames: list[Annotated[str, Field(min_length=1)]] = Field(
+        min_length=1, max_length=MAX_FRAMES_BOUND, description="Frame images in order: http(s) or data:image URLs."
+    )
+    min_pixels: int = Field(0, ge=0, le=MAX_PIXELS_BOUND, description="Per frame; 0 = the encoder's video default.")
+    max_pixels: int = Field(0, ge=0, le=MAX_PIXELS_BOUND, description="Per frame; 0 = the encoder's video default.")
+    return_embeddings: bool = Field(False, description="Also return the stored blob (safetensors, base64).")

@@ -22,7 +22,7 @@ class GatewaySettings(BaseSettings):
         description='Routing, as JSON: model name -> LLM service targets, e.g. {"ft-a": ["127.0.0.1:50061"]}.',
     )
     request_timeout_s: float = Field(300.0, gt=0, description="Deadline of one backend call.")
-    max_images_per_request: int = Field(16, gt=0, description="Most images in one chat request.")
+    max_images_per_request: int = Field(16, gt=0, description="Most images and videos in one chat request.")
     keep_alive_s: float = Field(
         75.0, gt=0, description="HTTP keep-alive; longer than load balancers' idle timeouts, so they close first."
     )

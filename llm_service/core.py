@@ -15,8 +15,8 @@ import torch
 
 from llm_service.blob_cache import BlobCache
 from llm_service.engines.base import Engine, EngineRequest, GenerationDelta
-from llm_service.prompt import ChatTurn, ImageSlot, PromptBuilder
-from llm_service.requests import ChatRequest, ImageInput
+from llm_service.prompt import ChatTurn, MediaSlot, PromptBuilder
+from llm_service.requests import ChatRequest, MediaInput
 from shared.blob import BlobRules, EmbeddingBlob, decode_blob
 from shared.errors import EmbeddingNotFound, IncompatibleEncoder, InvalidEmbedding, InvalidInput, ModelNotFound, clip
 from shared.keys import encoder_id_of_key
@@ -40,37 +40,49 @@ class LLMCore:
                 f"model {clip(request.model)!r} is not served here (this service serves {self.model_name!r})",
                 param="model",
             )
-        blobs = await self._resolve_images(request.images)
+        media = request.media
+        blobs = await self._resolve_media(media)
         turns = [
-            ChatTurn(m.role, [p if isinstance(p, str) else ImageSlot() for p in m.parts]) for m in request.messages
+            ChatTurn(m.role, [p if isinstance(p, str) else MediaSlot(p.modality) for p in m.parts])
+            for m in request.messages
         ]
         try:
             prompt_ids = self.prompt_builder.build(turns, [blob.num_tokens for blob in blobs])
         except ValueError as error:
             raise InvalidInput(str(error), param="messages") from None
-        grid = torch.cat([b.grid_thw for b in blobs]) if blobs else torch.zeros((0, 3), dtype=torch.int64)
+        images = [(item, blob) for item, blob in zip(media, blobs, strict=True) if item.modality == "image"]
+        videos = [(item, blob) for item, blob in zip(media, blobs, strict=True) if item.modality == "video"]
         engine_request = EngineRequest(
             request_id=request.request_id,
             prompt_token_ids=prompt_ids,
-            image_embeds=[b.embeds for b in blobs],
-            image_grid_thw=grid,
+            image_embeds=[blob.embeds for _, blob in images],
+            image_grid_thw=_grid([blob for _, blob in images]),
             sampling=request.sampling,
-            image_uuids=[_image_uuid(image) for image in request.images],
+            image_uuids=[_media_uuid(item) for item, _ in images],
+            video_embeds=[blob.embeds for _, blob in videos],
+            video_grid_thw=_grid([blob for _, blob in videos]),
+            video_uuids=[_media_uuid(item) for item, _ in videos],
         )
         async for delta in self.engine.generate(engine_request):
             yield delta
 
-    async def _resolve_images(self, images: list[ImageInput]) -> list[EmbeddingBlob]:
-        if len(images) > self.max_images:
-            raise InvalidInput(f"{len(images)} images in one request; the limit is {self.max_images}", param="messages")
-        keys = list(dict.fromkeys(image.key for image in images if image.key is not None))
+    async def _resolve_media(self, media: list[MediaInput]) -> list[EmbeddingBlob]:
+        """Each item's validated blob, in order: cached, fetched in one round trip, or inline."""
+        if len(media) > self.max_images:
+            raise InvalidInput(
+                f"{len(media)} images and videos in one request; the limit is {self.max_images}", param="messages"
+            )
+        keys = list(dict.fromkeys(item.key for item in media if item.key is not None))
         for key in keys:
             self._check_encoder(key)
         by_key = {key: blob for key in keys if (blob := self.cache.get(key)) is not None}
         await self._fetch_into(by_key, [key for key in keys if key not in by_key])
-        inline = [image.blob for image in images if image.key is None]
-        decoded_inline = iter(await asyncio.to_thread(self._decode_many, inline, "inline image"))
-        return [by_key[image.key] if image.key is not None else next(decoded_inline) for image in images]
+        inline = [item.blob for item in media if item.key is None]
+        decoded_inline = iter(await asyncio.to_thread(self._decode_many, inline, "inline embedding"))
+        blobs = [by_key[item.key] if item.key is not None else next(decoded_inline) for item in media]
+        for index, (item, blob) in enumerate(zip(media, blobs, strict=True)):
+            _check_modality(item, blob, index)
+        return blobs
 
     def _check_encoder(self, key: str) -> None:
         encoder_id = encoder_id_of_key(key, param="image.key")
@@ -86,7 +98,7 @@ class LLMCore:
         missing = [key for key, data in zip(keys, stored, strict=True) if data is None]
         if missing:
             raise EmbeddingNotFound(f"no embedding stored under {', '.join(missing)}", keys=missing, param="image.key")
-        for key, blob in zip(keys, await asyncio.to_thread(self._decode_many, stored, "stored image"), strict=True):
+        for key, blob in zip(keys, await asyncio.to_thread(self._decode_many, stored, "stored embedding"), strict=True):
             self.cache.put(key, blob)
             by_key[key] = blob
 
@@ -94,14 +106,33 @@ class LLMCore:
         decoded = []
         for index, data in enumerate(blobs):
             blob = decode_blob(data or b"", self.rules, where=f"{where} {index}")
-            if blob.modality != "image" or blob.grid_thw.shape[0] != 1:
-                raise InvalidEmbedding(f"{where} {index} must hold exactly one image (grid_thw [1, 3])", param="image")
+            if blob.grid_thw.shape[0] != 1:
+                raise InvalidEmbedding(
+                    f"{where} {index} must hold exactly one image or video (grid_thw [1, 3])", param="image"
+                )
             decoded.append(blob)
         return decoded
 
 
-def _image_uuid(image: ImageInput) -> str:
+def _check_modality(item: MediaInput, blob: EmbeddingBlob, index: int) -> None:
+    """An image part must get an image blob (grid t == 1) and a video part a video blob."""
+    where = f"{item.modality} part {index}" + (f" (key {clip(item.key)!r})" if item.key is not None else " (inline)")
+    if blob.modality != item.modality:
+        raise InvalidEmbedding(
+            f"{where} holds {blob.modality} embeddings; send them in a part of type {blob.modality}_embeds",
+            param=item.modality,
+        )
+    if item.modality == "image" and int(blob.grid_thw[0, 0]) != 1:
+        raise InvalidEmbedding(f"{where} has grid t = {int(blob.grid_thw[0, 0])}; an image has t = 1", param="image")
+
+
+def _grid(blobs: list[EmbeddingBlob]) -> torch.Tensor:
+    """[n, 3] int64 grids of the items, in order (n may be 0)."""
+    return torch.cat([b.grid_thw for b in blobs]) if blobs else torch.zeros((0, 3), dtype=torch.int64)
+
+
+def _media_uuid(item: MediaInput) -> str:
     """A stable id for an engine's prefix cache: the key names its content; inline blobs are hashed."""
-    if image.key is not None:
-        return image.key
-    return "inline:sha256:" + hashlib.sha256(image.blob or b"").hexdigest()
+    if item.key is not None:
+        return item.key
+    return "inline:sha256:" + hashlib.sha256(item.blob or b"").hexdigest()

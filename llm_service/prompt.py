@@ -1,7 +1,8 @@
-"""Chat rendering with the checkpoint's own chat template, and image placeholder expansion.
+"""Chat rendering with the checkpoint's own chat template, and image/video placeholder expansion.
 
-The template renders one `<|image_pad|>` per image; the language model needs one pad token per
-embedding row, so each is expanded to `prod(grid_thw) // merge_size**2` copies, in order.
+The template renders one `<|image_pad|>` per image and one `<|video_pad|>` per video; the language
+model needs one pad token per embedding row, so each is expanded to `prod(grid_thw) // merge_size**2`
+copies, in order.
 """
 
 from __future__ import annotations
@@ -11,19 +12,23 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from shared.blob import Modality
+
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
 
 
 @dataclass(frozen=True)
-class ImageSlot:
-    """Marks where an image goes inside a turn; its embeddings travel separately."""
+class MediaSlot:
+    """Marks where an image or a video goes inside a turn; its embeddings travel separately."""
+
+    modality: Modality = "image"
 
 
 @dataclass
 class ChatTurn:
     role: str
-    parts: list[str | ImageSlot] = field(default_factory=list)
+    parts: list[str | MediaSlot] = field(default_factory=list)
 
 
 def image_token_counts(image_grid_thw: torch.Tensor, merge_size: int) -> list[int]:
@@ -32,52 +37,50 @@ def image_token_counts(image_grid_thw: torch.Tensor, merge_size: int) -> list[in
 
 
 class PromptBuilder:
-    """Turns chat turns plus per-image token counts into prompt token ids."""
+    """Turns chat turns plus per-item token counts into prompt token ids."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         if tokenizer.chat_template is None:
             raise ValueError("tokenizer has no chat template")
-        image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
-        if image_token_id is None or image_token_id == tokenizer.unk_token_id:
-            raise ValueError(f"tokenizer has no {IMAGE_PAD} token")
         self.tokenizer = tokenizer
-        self.image_token_id: int = image_token_id
+        self.image_token_id: int = _token_id(tokenizer, IMAGE_PAD)
+        self.video_token_id: int = _token_id(tokenizer, VIDEO_PAD)
 
-    def build(self, turns: list[ChatTurn], image_token_counts: list[int]) -> list[int]:
-        """Render with add_generation_prompt=True and expand image i's pad to image_token_counts[i]."""
-        n_slots = sum(isinstance(p, ImageSlot) for turn in turns for p in turn.parts)
-        if n_slots != len(image_token_counts):
-            raise ValueError(
-                f"messages hold {n_slots} image part(s) but {len(image_token_counts)} image(s) were supplied"
-            )
-        for index, count in enumerate(image_token_counts):
+    def build(self, turns: list[ChatTurn], token_counts: list[int]) -> list[int]:
+        """Render with add_generation_prompt=True and expand the pad of media slot i (images and
+        videos, in prompt order) to token_counts[i] copies."""
+        slots = [p for turn in turns for p in turn.parts if isinstance(p, MediaSlot)]
+        if len(slots) != len(token_counts):
+            raise ValueError(f"messages hold {len(slots)} image/video part(s) but {len(token_counts)} were supplied")
+        for index, (slot, count) in enumerate(zip(slots, token_counts, strict=True)):
             if count < 1:
-                raise ValueError(f"image {index} has {count} tokens; every image needs at least one")
+                raise ValueError(f"{slot.modality} {index} has {count} tokens; every one needs at least one")
         text = self.tokenizer.apply_chat_template(
             [self._to_message(turn) for turn in turns], tokenize=False, add_generation_prompt=True
         )
         ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return self._expand(ids, image_token_counts)
+        return self._expand(ids, [slot.modality for slot in slots], token_counts)
 
-    def _expand(self, ids: list[int], counts: list[int]) -> list[int]:
-        pads = ids.count(self.image_token_id)
-        if pads != len(counts):  # the template dropped or added a placeholder
-            raise ValueError(f"rendered prompt has {pads} image placeholder(s), expected {len(counts)}")
+    def _expand(self, ids: list[int], modalities: list[Modality], counts: list[int]) -> list[int]:
+        pad_of = {"image": self.image_token_id, "video": self.video_token_id}
+        rendered = [token for token in ids if token in pad_of.values()]
+        if rendered != [pad_of[m] for m in modalities]:  # the template dropped, added or reordered one
+            raise ValueError(
+                f"rendered prompt has {len(rendered)} image/video placeholder(s) that do not match the "
+                f"{len(modalities)} part(s) given ({', '.join(modalities) or 'none'})"
+            )
         remaining = iter(counts)
         expanded: list[int] = []
         for token in ids:
-            if token == self.image_token_id:
-                expanded.extend([token] * next(remaining))
-            else:
-                expanded.append(token)
+            expanded.extend([token] * next(remaining) if token in pad_of.values() else [token])
         return expanded
 
     @staticmethod
     def _to_message(turn: ChatTurn) -> dict:
         content: list[dict] = []
         for part in turn.parts:
-            if isinstance(part, ImageSlot):
-                content.append({"type": "image"})
+            if isinstance(part, MediaSlot):
+                content.append({"type": part.modality})
             elif isinstance(part, str):
                 # A literal pad token in user text would shift every image's rows; refuse it.
                 if IMAGE_PAD in part or VIDEO_PAD in part:
@@ -86,3 +89,10 @@ class PromptBuilder:
             else:
                 raise ValueError(f"unsupported message part type {type(part).__name__}")
         return {"role": turn.role, "content": content}
+
+
+def _token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if token_id is None or token_id == tokenizer.unk_token_id:
+        raise ValueError(f"tokenizer has no {token} token")
+    return token_id

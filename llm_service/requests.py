@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llm_service.engines.base import MAX_TOP_LOGPROBS, SamplingParams
+from shared.blob import Modality
 from shared.errors import InvalidInput
 from shared.pb.llm.v1 import llm_pb2
 
@@ -15,9 +16,10 @@ ROLES = ("system", "user", "assistant")
 
 
 @dataclass(frozen=True)
-class ImageInput:
-    """An image in a message: a stored key, or an inline safetensors blob."""
+class MediaInput:
+    """An image or a video in a message: a stored key, or an inline safetensors blob."""
 
+    modality: Modality
     key: str | None = None
     blob: bytes | None = None
 
@@ -25,7 +27,7 @@ class ImageInput:
 @dataclass(frozen=True)
 class Message:
     role: str
-    parts: list[str | ImageInput]
+    parts: list[str | MediaInput]
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,9 @@ class ChatRequest:
     request_id: str
 
     @property
-    def images(self) -> list[ImageInput]:
-        return [part for message in self.messages for part in message.parts if isinstance(part, ImageInput)]
+    def media(self) -> list[MediaInput]:
+        """Every image and video, in prompt order."""
+        return [part for message in self.messages for part in message.parts if isinstance(part, MediaInput)]
 
     @classmethod
     def from_pb(cls, request: llm_pb2.GenerateRequest, limits: SamplingLimits) -> ChatRequest:
@@ -56,19 +59,22 @@ class ChatRequest:
 def _message_from_pb(message: llm_pb2.ChatMessage, index: int) -> Message:
     if message.role not in ROLES:
         raise InvalidInput(f"role must be one of {', '.join(ROLES)}", param=f"messages[{index}].role")
-    parts: list[str | ImageInput] = []
+    parts: list[str | MediaInput] = []
     for j, part in enumerate(message.content):
         which = part.WhichOneof("part")
         if which == "text":
             parts.append(part.text)
-        elif which == "image" and part.image.WhichOneof("source") == "key":
-            parts.append(ImageInput(key=part.image.key))
-        elif which == "image" and part.image.WhichOneof("source") == "embedding_blob":
-            parts.append(ImageInput(blob=part.image.embedding_blob))
-        else:
+            continue
+        ref = part.image if which == "image" else part.video if which == "video" else None
+        source = ref.WhichOneof("source") if ref is not None else None
+        if which not in ("image", "video") or source is None:
             raise InvalidInput(
-                "content part must be text or an image key/blob", param=f"messages[{index}].content[{j}]"
+                "content part must be text, or an image or video key/blob", param=f"messages[{index}].content[{j}]"
             )
+        if source == "key":
+            parts.append(MediaInput(which, key=ref.key))
+        else:
+            parts.append(MediaInput(which, blob=ref.embedding_blob))
     return Message(message.role, parts)
 
 

@@ -21,6 +21,9 @@ class LLMSettings(StoreSettings, GrpcServerSettings):
     )
     max_model_len: int = Field(4096, gt=0, description="vLLM: most prompt + completion tokens per request.")
     kv_cache_gib: float | None = Field(None, gt=0, description="vLLM: KV cache size in GiB; unset = vLLM's default.")
+    enforce_eager: bool = Field(
+        False, description="vLLM: run the model eagerly, without torch.compile: starts faster, decodes slower."
+    )
     device: str = Field("cpu", description="torch device (cpu, cuda, cuda:1).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Language model dtype.")
     accepted_encoder_ids: list[str] = Field(
@@ -29,7 +32,7 @@ class LLMSettings(StoreSettings, GrpcServerSettings):
     )
     default_max_tokens: int = Field(256, gt=0, description="max_tokens when a request sets none.")
     max_tokens_limit: int = Field(4096, gt=0, description="Highest max_tokens a request may ask for.")
-    max_images_per_request: int = Field(16, gt=0, description="Most images in one request.")
+    max_images_per_request: int = Field(16, gt=0, description="Most images and videos in one request.")
     blob_cache_bytes: int = Field(
         512 * 1024 * 1024, ge=0, description="Budget of the in-memory LRU of decoded blobs (0 disables it)."
     )

@@ -1,6 +1,6 @@
 """Content keys for stored embeddings: `emb:v1:<encoder_id>:<digest>`.
 
-The digest covers the image bytes and every option that changes the result
+The digest covers the image bytes (a video's frames) and every option that changes the result
 (the effective min/max pixels), so equal inputs share one key and different
 preprocessing never collides.
 """
@@ -23,6 +23,22 @@ def embedding_key(encoder_id: str, image_bytes: bytes, min_pixels: int, max_pixe
     digest = hashlib.sha256()
     digest.update(f"image\0min_pixels={min_pixels}\0max_pixels={max_pixels}\0".encode())
     digest.update(image_bytes)
+    return f"{KEY_PREFIX}{encoder_id}:{digest.hexdigest()}"
+
+
+def video_key(encoder_id: str, frames: list[bytes], min_pixels: int, max_pixels: int) -> str:
+    """The key of a video (its frames, in order) encoded by `encoder_id` with these per-frame bounds.
+
+    Each frame is length-prefixed, so no two frame lists share a digest, and the "video" tag keeps
+    a one-frame video apart from the same image.
+    """
+    if ":" in encoder_id:
+        raise ValueError(f"encoder_id must not contain ':' ({encoder_id!r})")
+    digest = hashlib.sha256()
+    digest.update(f"video\0frames={len(frames)}\0min_pixels={min_pixels}\0max_pixels={max_pixels}\0".encode())
+    for frame in frames:
+        digest.update(len(frame).to_bytes(8, "little"))
+        digest.update(frame)
     return f"{KEY_PREFIX}{encoder_id}:{digest.hexdigest()}"
 
 

@@ -48,6 +48,19 @@ def test_sdk_sync_encodes_streams_an_answer_and_prints_stats(stack: Stack, image
     assert re.search(r"^encoder stats: images_encoded=[1-9]\d* cache_hits=[1-9]", run.stdout, flags=re.M)
 
 
+def test_sdk_sync_encodes_frames_as_one_video(stack: Stack, tmp_path: Path) -> None:
+    frames = []
+    for index in range(4):
+        frames.append(tmp_path / f"frame{index}.png")
+        frames[-1].write_bytes(png_bytes(9300 + index))
+    targets = ("--encoder", stack.encoder_target, "--llm", stack.llm_target("ft-a"))
+    run = run_example("sdk_sync.py", *targets, "--model", "ft-a", "--video", *map(str, frames))
+    assert run.returncode == 0, run.stderr[-2000:]
+    # Four frames of one size: two temporal patches.
+    assert re.search(r"^encoded: emb:v1:\S+ grid_thw=\[2, \d+, \d+\]", run.stdout, flags=re.M)
+    assert re.search(r"^finish: (length|stop) \(prompt \d+, completion [1-9]\d* tokens\)$", run.stdout, flags=re.M)
+
+
 def test_sdk_sync_exits_non_zero_for_an_unknown_model(stack: Stack, image_file: Path) -> None:
     run = run_sync_example(stack, "nope", image_file)
     assert run.returncode == 1 and "model_not_found" in run.stderr

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
 from encoder_service.vision import VisionEncoder
 from llm_service.engines.base import EngineRequest, GenerationDelta, SamplingParams
 from llm_service.engines.transformers_engine import TransformersEngine
-from llm_service.prompt import ChatTurn, ImageSlot, PromptBuilder
+from llm_service.prompt import ChatTurn, MediaSlot, PromptBuilder
 from shared.checkpoints import compute_encoder_id
 from tests.model_fixtures import build_test_checkpoints, make_image
 from tests.reference import reference_greedy_tokens
@@ -65,7 +65,7 @@ def _request(
 ) -> EngineRequest:
     items = [encoder.preprocess(image) for image in images]
     embeds = encoder.encode_batch(items)
-    turn = ChatTurn("user", [ImageSlot() for _ in images] + [question])
+    turn = ChatTurn("user", [MediaSlot() for _ in images] + [question])
     ids = PromptBuilder(engine.tokenizer).build([turn], [e.shape[0] for e in embeds])
     grid = torch.cat([g for _, g in items]) if items else torch.zeros((0, 3), dtype=torch.int64)
     return EngineRequest("test", ids, embeds, grid, SamplingParams(**sampling))
@@ -139,7 +139,7 @@ def test_preprocess_respects_pixel_bounds(encoder: VisionEncoder) -> None:
 def test_prompt_expands_each_image_in_order(ckpts: dict[str, Path]) -> None:
     tokenizer = AutoTokenizer.from_pretrained(ckpts["base"])
     builder = PromptBuilder(tokenizer)
-    turns = [ChatTurn("user", [ImageSlot(), "left or right?", ImageSlot()])]
+    turns = [ChatTurn("user", [MediaSlot(), "left or right?", MediaSlot()])]
     ids = builder.build(turns, [3, 5])
     pad = builder.image_token_id
     runs = [len(list(group)) for token, group in itertools.groupby(ids) if token == pad]
@@ -152,9 +152,9 @@ def test_prompt_expands_each_image_in_order(ckpts: dict[str, Path]) -> None:
 
 def test_prompt_rejects_mismatched_counts(ckpts: dict[str, Path]) -> None:
     builder = PromptBuilder(AutoTokenizer.from_pretrained(ckpts["base"]))
-    with pytest.raises(ValueError, match="2 image part"):
-        builder.build([ChatTurn("user", [ImageSlot(), ImageSlot(), "hi"])], [4])
-    with pytest.raises(ValueError, match="0 image part"):
+    with pytest.raises(ValueError, match="2 image/video part"):
+        builder.build([ChatTurn("user", [MediaSlot(), MediaSlot(), "hi"])], [4])
+    with pytest.raises(ValueError, match="0 image/video part"):
         builder.build([ChatTurn("user", ["hi"])], [4])
     with pytest.raises(ValueError, match="image_pad"):
         builder.build([ChatTurn("user", ["sneaky <|image_pad|>"])], [])

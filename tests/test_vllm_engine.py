@@ -19,7 +19,7 @@ from encoder_service.vision import VisionEncoder  # noqa: E402
 from llm_service.engines.base import EngineRequest, GenerationDelta, SamplingParams  # noqa: E402
 from llm_service.engines.transformers_engine import TransformersEngine  # noqa: E402
 from llm_service.engines.vllm_engine import VLLMEngine  # noqa: E402
-from llm_service.prompt import ChatTurn, ImageSlot, PromptBuilder  # noqa: E402
+from llm_service.prompt import ChatTurn, MediaSlot, PromptBuilder  # noqa: E402
 from tests.model_fixtures import make_image  # noqa: E402
 from tests.reference import reference_greedy_tokens  # noqa: E402
 
@@ -58,7 +58,7 @@ def _request(
 ) -> EngineRequest:
     items = [encoder.preprocess(image) for image in images]
     embeds = encoder.encode_batch(items)
-    turn = ChatTurn("user", [ImageSlot() for _ in images] + [question])
+    turn = ChatTurn("user", [MediaSlot() for _ in images] + [question])
     ids = builder.build([turn], [e.shape[0] for e in embeds])
     grid = torch.cat([g for _, g in items]) if items else torch.zeros((0, 3), dtype=torch.int64)
     uuids = [f"emb:v1:test:{id(image)}" for image in images]

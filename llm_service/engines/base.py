@@ -62,11 +62,13 @@ class SamplingParams:
 class EngineRequest:
     """One generation.
 
-    prompt_token_ids: rendered prompt with each image's pad token already expanded to its rows.
+    prompt_token_ids: rendered prompt with each image's and video's pad token already expanded to
+    its rows.
     image_embeds: one [rows, hidden] tensor per image, in prompt order.
     image_grid_thw: [n_images, 3] int64 (n may be 0).
     image_uuids: one stable id per image (its blob key), so an engine with a prefix cache can
     reuse an image's KV blocks across requests; None lets the engine hash the embeddings itself.
+    video_*: the same for videos (grid t > 1 is allowed), filling the video pad tokens.
     """
 
     request_id: str
@@ -75,6 +77,15 @@ class EngineRequest:
     image_grid_thw: torch.Tensor
     sampling: SamplingParams = field(default_factory=SamplingParams)
     image_uuids: list[str] | None = None
+    video_embeds: list[torch.Tensor] = field(default_factory=list)
+    video_grid_thw: torch.Tensor = field(default_factory=lambda: torch.zeros((0, 3), dtype=torch.int64))
+    video_uuids: list[str] | None = None
+
+    def items(self, modality: str) -> tuple[list[torch.Tensor], torch.Tensor, list[str] | None]:
+        """(embeds, grid, uuids) of "image" or "video"."""
+        if modality == "image":
+            return self.image_embeds, self.image_grid_thw, self.image_uuids
+        return self.video_embeds, self.video_grid_thw, self.video_uuids
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,7 @@ class EngineShape:
     vocab_size: int
     hidden_size: int
     image_token_id: int
+    video_token_id: int
     merge_size: int
 
 
@@ -95,18 +107,29 @@ def validate_request(request: EngineRequest, shape: EngineShape) -> None:
         raise ValueError("prompt is empty")
     if min(ids) < 0 or max(ids) >= shape.vocab_size:
         raise ValueError(f"prompt token ids must be in [0, {shape.vocab_size})")
-    count, grid = len(request.image_embeds), request.image_grid_thw
+    for modality, pad in (("image", shape.image_token_id), ("video", shape.video_token_id)):
+        _validate_items(modality, *request.items(modality), shape)
+        pads, total = ids.count(pad), sum(e.shape[0] for e in request.items(modality)[0])
+        if pads != total:
+            raise ValueError(f"prompt has {pads} {modality} pad tokens but the {modality}s have {total} rows")
+
+
+def _validate_items(
+    modality: str, embeds: list[torch.Tensor], grid: torch.Tensor, uuids: list[str] | None, shape: EngineShape
+) -> None:
+    count = len(embeds)
     if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] != count:
-        raise ValueError(f"image_grid_thw must be [{count}, 3], got {list(grid.shape)}")
-    if request.image_uuids is not None and len(request.image_uuids) != count:
-        raise ValueError(f"{len(request.image_uuids)} image uuids for {count} images")
-    for index, (embeds, thw) in enumerate(zip(request.image_embeds, grid, strict=True)):
+        raise ValueError(f"{modality}_grid_thw must be [{count}, 3], got {list(grid.shape)}")
+    if uuids is not None and len(uuids) != count:
+        raise ValueError(f"{len(uuids)} {modality} uuids for {count} {modality}s")
+    for index, (rows_embeds, thw) in enumerate(zip(embeds, grid, strict=True)):
         rows = int(thw.prod()) // shape.merge_size**2
-        if embeds.ndim != 2 or tuple(embeds.shape) != (rows, shape.hidden_size):
-            raise ValueError(f"image {index}: embeddings {list(embeds.shape)}, expected {[rows, shape.hidden_size]}")
-    pads, total = ids.count(shape.image_token_id), sum(e.shape[0] for e in request.image_embeds)
-    if pads != total:
-        raise ValueError(f"prompt has {pads} image pad tokens but the images have {total} rows")
+        if rows_embeds.ndim != 2 or tuple(rows_embeds.shape) != (rows, shape.hidden_size):
+            raise ValueError(
+                f"{modality} {index}: embeddings {list(rows_embeds.shape)}, expected {[rows, shape.hidden_size]}"
+            )
+        if modality == "image" and int(thw[0]) != 1:
+            raise ValueError(f"image {index}: grid t must be 1, got {int(thw[0])} (send a video instead)")
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,7 @@ class TransformersEngine(Engine):
         self.hidden_size: int = model.config.text_config.hidden_size
         self.vocab_size: int = model.config.text_config.vocab_size
         self.image_token_id: int = model.config.image_token_id
+        self.video_token_id: int = model.config.video_token_id
         self.merge_size: int = model.config.vision_config.spatial_merge_size
         self.eos_ids = eos_token_ids(model.generation_config.eos_token_id, tokenizer)
         self.pad_token_id: int = _pad_id(model, tokenizer, self.eos_ids)
@@ -216,17 +217,7 @@ class TransformersEngine(Engine):
         input_ids = torch.tensor([request.prompt_token_ids], dtype=torch.long, device=device)
         with torch.inference_mode():
             inputs_embeds = self.model.get_input_embeddings()(input_ids)
-            mm_kwargs: dict[str, torch.Tensor] = {}
-            if request.image_embeds:
-                is_image = input_ids == self.image_token_id
-                rows = torch.cat(request.image_embeds).to(device, inputs_embeds.dtype)
-                inputs_embeds = inputs_embeds.masked_scatter(is_image.unsqueeze(-1), rows)
-                # 0 = text, 1 = image, as the processor's int64 mm_token_type_ids; with the grid,
-                # the model derives the M-RoPE positions from it.
-                mm_kwargs = {
-                    "mm_token_type_ids": is_image.to(torch.int64),
-                    "image_grid_thw": request.image_grid_thw.to(device, torch.int64),
-                }
+            inputs_embeds, mm_kwargs = self._scatter_media(input_ids, inputs_embeds, request)
             if request.sampling.seed is not None:
                 torch.manual_seed(request.sampling.seed)  # safe: only this thread generates
             self.model.generate(
@@ -238,6 +229,27 @@ class TransformersEngine(Engine):
                 logits_processor=processors,
                 **mm_kwargs,
             )
+
+    def _scatter_media(
+        self, input_ids: torch.Tensor, inputs_embeds: torch.Tensor, request: EngineRequest
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Puts each image's and video's rows into its pad positions. Returns the embeddings and the
+        kwargs from which the model derives M-RoPE positions: mm_token_type_ids (0 text, 1 image,
+        2 video, as the processor makes them) and the grids."""
+        token_types = torch.zeros_like(input_ids)
+        mm_kwargs: dict[str, torch.Tensor] = {}
+        for type_id, (modality, pad) in enumerate((("image", self.image_token_id), ("video", self.video_token_id)), 1):
+            embeds, grid, _ = request.items(modality)
+            if not embeds:
+                continue
+            is_pad = input_ids == pad
+            rows = torch.cat(embeds).to(inputs_embeds.device, inputs_embeds.dtype)
+            inputs_embeds = inputs_embeds.masked_scatter(is_pad.unsqueeze(-1), rows)
+            token_types[is_pad] = type_id
+            mm_kwargs[f"{modality}_grid_thw"] = grid.to(inputs_embeds.device, torch.int64)
+        if mm_kwargs:
+            mm_kwargs["mm_token_type_ids"] = token_types
+        return inputs_embeds, mm_kwargs
 
     def _generation_config(self, sampling: SamplingParams) -> GenerationConfig:
         # Every knob set explicitly: unset ones would be filled from the checkpoint's
@@ -254,7 +266,10 @@ class TransformersEngine(Engine):
         )
 
     def _validate(self, request: EngineRequest) -> None:
-        validate_request(request, EngineShape(self.vocab_size, self.hidden_size, self.image_token_id, self.merge_size))
+        shape = EngineShape(
+            self.vocab_size, self.hidden_size, self.image_token_id, self.video_token_id, self.merge_size
+        )
+        validate_request(request, shape)
 
 
 def _pad_id(model: Qwen2VLForConditionalGeneration, tokenizer: PreTrainedTokenizerBase, eos_ids: set[int]) -> int:

@@ -2,14 +2,14 @@
 
 vLLM brings continuous batching, the paged KV cache and prefix caching. Each image travels as
 multimodal data (`image_embeds` [rows, hidden] concatenated over the images, `image_grid_thw`
-[n, 3]) with the blob key as its uuid, so a second question on the same image reuses the cached
-prefix. With every modality limit at 0 and `enable_mm_embeds`, vLLM builds the vision tower on the
+[n, 3]; videos likewise as `video_embeds` / `video_grid_thw`) with the blob key as its uuid, so a
+second question on the same image reuses the cached prefix. With every modality limit at 0 and `enable_mm_embeds`, vLLM builds the vision tower on the
 meta device and never loads its weights: this engine only ever receives embeddings.
 
-vLLM's Qwen2-VL processor always expands each `<|image_pad|>` of a token prompt into the image's
-rows; it has no "already expanded" check. Our prompts arrive expanded (prompt.py), so each image's
-run of pads is collapsed back to one pad before vLLM sees it, or vLLM would make it 2*rows-1 pads
-and every position after the first image would shift.
+vLLM's Qwen2-VL processor always expands each `<|image_pad|>` (and `<|video_pad|>`) of a token
+prompt into the item's rows; it has no "already expanded" check. Our prompts arrive expanded
+(prompt.py), so each item's run of pads is collapsed back to one pad before vLLM sees it, or vLLM
+would make it 2*rows-1 pads and every position after the first item would shift.
 """
 
 from __future__ import annotations
@@ -54,12 +54,14 @@ class VLLMEngine(Engine):
         self.hidden_size: int = config.text_config.hidden_size
         self.vocab_size: int = config.text_config.vocab_size
         self.image_token_id: int = config.image_token_id
+        self.video_token_id: int = config.video_token_id
         self.merge_size: int = config.vision_config.spatial_merge_size
         self.eos_ids = eos_ids
 
     @classmethod
     def load(
         cls, checkpoint: str, dtype: str = "float32", max_model_len: int = 4096, kv_cache_gib: float | None = None,
+        enforce_eager: bool = False,
     ) -> VLLMEngine:  # fmt: skip
         """Starts vLLM's engine process for a local checkpoint (tens of seconds).
 
@@ -67,6 +69,8 @@ class VLLMEngine(Engine):
         max_model_len: prompt plus completion tokens, per request.
         kv_cache_gib: KV cache size; None leaves vLLM's default (on CPU, VLLM_CPU_KVCACHE_SPACE or
         a share of RAM).
+        enforce_eager: skip torch.compile (and its warm-up): the engine starts in seconds, not a
+        minute, and decodes more slowly; for quick checks.
         """
         path = Path(checkpoint)
         args = AsyncEngineArgs(
@@ -82,6 +86,7 @@ class VLLMEngine(Engine):
             # explicitly per request instead.
             generation_config="vllm",
             kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * _GIB),
+            enforce_eager=enforce_eager,
             # vLLM's default, pinned: the transformers engine reports the same kind (logits.py).
             logprobs_mode="raw_logprobs",
         )
@@ -128,18 +133,26 @@ class VLLMEngine(Engine):
                 await self.engine.abort(request_id)
 
     def vllm_prompt(self, request: EngineRequest) -> TokensPrompt:
-        """The request as vLLM takes it: one pad per image, embeddings and grid as multimodal data."""
-        rows = [e.shape[0] for e in request.image_embeds]
-        prompt = TokensPrompt(
-            prompt_token_ids=_collapse_image_pads(request.prompt_token_ids, self.image_token_id, rows)
-        )
-        if rows:
-            # [sum(rows), hidden] + [n, 3]: vLLM splits the rows per image by the grid.
-            embeds = torch.cat(request.image_embeds)  # vLLM casts to the model dtype
-            grid = request.image_grid_thw.to(torch.int64)
-            prompt["multi_modal_data"] = {"image": {"image_embeds": embeds, "image_grid_thw": grid}}
-            if request.image_uuids is not None:
-                prompt["multi_modal_uuids"] = {"image": list(request.image_uuids)}
+        """The request as vLLM takes it: one pad per image and per video, embeddings and grids as
+        multimodal data, each item's blob key as its uuid."""
+        ids = request.prompt_token_ids
+        data: dict[str, dict[str, torch.Tensor]] = {}
+        uuids: dict[str, list[str]] = {}
+        for modality, pad in (("image", self.image_token_id), ("video", self.video_token_id)):
+            embeds, grid, item_uuids = request.items(modality)
+            if not embeds:
+                continue
+            ids = _collapse_pads(ids, pad, [e.shape[0] for e in embeds], modality)
+            # [sum(rows), hidden] + [n, 3]: vLLM splits the rows per item by the grid and casts
+            # them to the model dtype.
+            data[modality] = {f"{modality}_embeds": torch.cat(embeds), f"{modality}_grid_thw": grid.to(torch.int64)}
+            if item_uuids is not None:
+                uuids[modality] = list(item_uuids)
+        prompt = TokensPrompt(prompt_token_ids=ids)
+        if data:
+            prompt["multi_modal_data"] = data
+        if uuids:
+            prompt["multi_modal_uuids"] = uuids
         return prompt
 
     def vllm_sampling_params(self, sampling: SamplingParams) -> VLLMSamplingParams:
@@ -161,7 +174,10 @@ class VLLMEngine(Engine):
         )
 
     def _validate(self, request: EngineRequest) -> None:
-        validate_request(request, EngineShape(self.vocab_size, self.hidden_size, self.image_token_id, self.merge_size))
+        shape = EngineShape(
+            self.vocab_size, self.hidden_size, self.image_token_id, self.video_token_id, self.merge_size
+        )
+        validate_request(request, shape)
 
 
 class _DeltaBuilder:
@@ -216,17 +232,17 @@ def _top(position: dict[int, Logprob], top_k: int) -> list[tuple[int, float]]:
     return [(token, logprob) for rank, token, logprob in ranked if rank <= top_k]
 
 
-def _collapse_image_pads(ids: list[int], pad: int, rows: list[int]) -> list[int]:
-    """One pad per image, for vLLM to expand again: image i's run of rows[i] pads becomes one.
+def _collapse_pads(ids: list[int], pad: int, rows: list[int], modality: str) -> list[int]:
+    """One pad per item, for vLLM to expand again: item i's run of rows[i] pads becomes one.
 
-    Raises ValueError when an image's pads are not one contiguous run of its row count.
+    Raises ValueError when an item's pads are not one contiguous run of its row count.
     """
     out: list[int] = []
     position = 0
-    for image, count in enumerate(rows):
+    for item, count in enumerate(rows):
         start = ids.index(pad, position)
         if ids[start : start + count] != [pad] * count:
-            raise ValueError(f"image {image}: its {count} pad tokens must be contiguous")
+            raise ValueError(f"{modality} {item}: its {count} pad tokens must be contiguous")
         out += ids[position : start + 1]
         position = start + count
     out += ids[position:]

@@ -14,6 +14,7 @@ from shared.sdk.types import (
     Sampling,
     TokenLogprob,
     TopLogprob,
+    VideoKey,
 )
 
 __all__ = [
@@ -32,4 +33,5 @@ __all__ = [
     "Sampling",
     "TokenLogprob",
     "TopLogprob",
+    "VideoKey",
 ]

@@ -7,7 +7,7 @@ import grpc
 from shared.grpc_auth import call_metadata
 from shared.grpc_errors import raising_service_errors
 from shared.pb.encoder.v1 import encoder_pb2, encoder_pb2_grpc
-from shared.sdk.types import ChannelConfig, EncodedImage, EncoderStats, encode_request
+from shared.sdk.types import ChannelConfig, EncodedImage, EncoderStats, encode_request, encode_video_request
 
 
 class AsyncEncoderClient:
@@ -30,6 +30,16 @@ class AsyncEncoderClient:
         metadata = call_metadata(self._config.token, request_id)
         with raising_service_errors(self._errors):
             return EncodedImage.from_pb(await self._stub.Encode(request, timeout=self.timeout_s, metadata=metadata))
+
+    async def encode_video(
+        self, frames: list[bytes | str], *, min_pixels: int = 0, max_pixels: int = 0, request_id: str | None = None
+    ) -> EncodedImage:
+        """Stores a video's embeddings (once) from its frames (image bytes or URLs, in order); grid t > 1."""
+        request = encode_video_request(frames, min_pixels, max_pixels)
+        metadata = call_metadata(self._config.token, request_id)
+        with raising_service_errors(self._errors):
+            reply = await self._stub.EncodeVideo(request, timeout=self.timeout_s, metadata=metadata)
+        return EncodedImage.from_pb(reply)
 
     async def get_embedding(self, key: str) -> bytes:
         """The stored safetensors blob for `key`."""
@@ -71,6 +81,14 @@ class EncoderClient:
         metadata = call_metadata(self._config.token, request_id)
         with raising_service_errors(self._errors):
             return EncodedImage.from_pb(self._stub.Encode(request, timeout=self.timeout_s, metadata=metadata))
+
+    def encode_video(
+        self, frames: list[bytes | str], *, min_pixels: int = 0, max_pixels: int = 0, request_id: str | None = None
+    ) -> EncodedImage:
+        request = encode_video_request(frames, min_pixels, max_pixels)
+        metadata = call_metadata(self._config.token, request_id)
+        with raising_service_errors(self._errors):
+            return EncodedImage.from_pb(self._stub.EncodeVideo(request, timeout=self.timeout_s, metadata=metadata))
 
     def get_embedding(self, key: str) -> bytes:
         request, metadata = encoder_pb2.GetEmbeddingRequest(key=key), call_metadata(self._config.token)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Literal
 
 import grpc
 
@@ -102,6 +103,19 @@ def encode_request(
     return request
 
 
+def encode_video_request(frames: list[bytes | str], min_pixels: int, max_pixels: int) -> encoder_pb2.EncodeVideoRequest:
+    """Each frame is an image file's bytes, or a data:/http(s) URL (str)."""
+    request = encoder_pb2.EncodeVideoRequest(min_pixels=min_pixels, max_pixels=max_pixels)
+    for frame in frames:
+        if isinstance(frame, bytes):
+            request.frames.append(encoder_pb2.Frame(image_bytes=frame))
+        elif isinstance(frame, str):
+            request.frames.append(encoder_pb2.Frame(image_url=frame))
+        else:
+            raise TypeError(f"a frame is image bytes or a URL string, not {type(frame).__name__}")
+    return request
+
+
 @dataclass(frozen=True)
 class ImageKey:
     """An image stored by the encoder service."""
@@ -110,27 +124,39 @@ class ImageKey:
 
 
 @dataclass(frozen=True)
+class VideoKey:
+    """A video stored by the encoder service (EncodeVideo)."""
+
+    key: str
+
+
+@dataclass(frozen=True)
 class InlineEmbedding:
-    """An embedding blob (safetensors bytes) sent with the request."""
+    """An embedding blob (safetensors bytes) sent with the request; its modality says which part it fills."""
 
     blob: bytes
+    modality: Literal["image", "video"] = "image"
 
 
 @dataclass(frozen=True)
 class Message:
     role: str
-    content: list[str | ImageKey | InlineEmbedding]
+    content: list[str | ImageKey | VideoKey | InlineEmbedding]
 
     def to_pb(self) -> llm_pb2.ChatMessage:
-        parts = []
-        for part in self.content:
-            if isinstance(part, str):
-                parts.append(llm_pb2.ContentPart(text=part))
-            elif isinstance(part, ImageKey):
-                parts.append(llm_pb2.ContentPart(image=llm_pb2.ImageRef(key=part.key)))
-            else:
-                parts.append(llm_pb2.ContentPart(image=llm_pb2.ImageRef(embedding_blob=part.blob)))
-        return llm_pb2.ChatMessage(role=self.role, content=parts)
+        return llm_pb2.ChatMessage(role=self.role, content=[_part_pb(part) for part in self.content])
+
+
+def _part_pb(part: str | ImageKey | VideoKey | InlineEmbedding) -> llm_pb2.ContentPart:
+    if isinstance(part, str):
+        return llm_pb2.ContentPart(text=part)
+    if isinstance(part, ImageKey):
+        return llm_pb2.ContentPart(image=llm_pb2.ImageRef(key=part.key))
+    if isinstance(part, VideoKey):
+        return llm_pb2.ContentPart(video=llm_pb2.VideoRef(key=part.key))
+    if part.modality == "video":
+        return llm_pb2.ContentPart(video=llm_pb2.VideoRef(embedding_blob=part.blob))
+    return llm_pb2.ContentPart(image=llm_pb2.ImageRef(embedding_blob=part.blob))
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -17,6 +17,24 @@ class EncodeRequest(_message.Message):
     min_pixels: int
     max_pixels: int
     def __init__(self, image_bytes: _Optional[bytes] = ..., image_url: _Optional[str] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ...) -> None: ...
+
+class Frame(_message.Message):
+    __slots__ = ("image_bytes", "image_url")
+    IMAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_URL_FIELD_NUMBER: _ClassVar[int]
+    image_bytes: bytes
+    image_url: str
+    def __init__(self, image_bytes: _Optional[bytes] = ..., image_url: _Optional[str] = ...) -> None: ...
+
+class EncodeVideoRequest(_message.Message):
+    __slots__ = ("frames", "min_pixels", "max_pixels")
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MIN_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[Frame]
+    min_pixels: int
+    max_pixels: int
+    def __init__(self, frames: _Optional[_Iterable[_Union[Frame, _Mapping]]] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ...) -> None: ...
 
 class EncodeReply(_message.Message):
     __slots__ = ("key", "grid_thw", "num_tokens", "cache_hit", "encoder_id")

@@ -39,6 +39,11 @@ class EncoderServiceStub:
                 request_serializer=encoder_dot_v1_dot_encoder__pb2.EncodeRequest.SerializeToString,
                 response_deserializer=encoder_dot_v1_dot_encoder__pb2.EncodeReply.FromString,
                 _registered_method=True)
+        self.EncodeVideo = channel.unary_unary(
+                '/encoder.v1.EncoderService/EncodeVideo',
+                request_serializer=encoder_dot_v1_dot_encoder__pb2.EncodeVideoRequest.SerializeToString,
+                response_deserializer=encoder_dot_v1_dot_encoder__pb2.EncodeReply.FromString,
+                _registered_method=True)
         self.GetEmbedding = channel.unary_unary(
                 '/encoder.v1.EncoderService/GetEmbedding',
                 request_serializer=encoder_dot_v1_dot_encoder__pb2.GetEmbeddingRequest.SerializeToString,
@@ -67,6 +72,19 @@ class EncoderServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EncodeVideo(self, request, context):
+        """Encodes one video, given as its frames in order, and stores its
+        embeddings (`video_embeds`, `video_grid_thw` with t = ceil(frames / 2):
+        Qwen2-VL merges two consecutive frames into one temporal patch, and an
+        odd last frame is repeated). Same key, cache and single-flight behaviour
+        as Encode. Every frame must have the same width and height.
+        Errors: as Encode, plus INVALID_ARGUMENT for no frames, too many frames
+        or frames of different sizes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetEmbedding(self, request, context):
         """Returns a stored embedding blob by key (safetensors bytes).
         Errors: NOT_FOUND when the key is unknown or expired.
@@ -88,6 +106,11 @@ def add_EncoderServiceServicer_to_server(servicer, server):
             'Encode': grpc.unary_unary_rpc_method_handler(
                     servicer.Encode,
                     request_deserializer=encoder_dot_v1_dot_encoder__pb2.EncodeRequest.FromString,
+                    response_serializer=encoder_dot_v1_dot_encoder__pb2.EncodeReply.SerializeToString,
+            ),
+            'EncodeVideo': grpc.unary_unary_rpc_method_handler(
+                    servicer.EncodeVideo,
+                    request_deserializer=encoder_dot_v1_dot_encoder__pb2.EncodeVideoRequest.FromString,
                     response_serializer=encoder_dot_v1_dot_encoder__pb2.EncodeReply.SerializeToString,
             ),
             'GetEmbedding': grpc.unary_unary_rpc_method_handler(
@@ -127,6 +150,33 @@ class EncoderService:
             target,
             '/encoder.v1.EncoderService/Encode',
             encoder_dot_v1_dot_encoder__pb2.EncodeRequest.SerializeToString,
+            encoder_dot_v1_dot_encoder__pb2.EncodeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EncodeVideo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoder.v1.EncoderService/EncodeVideo',
+            encoder_dot_v1_dot_encoder__pb2.EncodeVideoRequest.SerializeToString,
             encoder_dot_v1_dot_encoder__pb2.EncodeReply.FromString,
             options,
             channel_credentials,

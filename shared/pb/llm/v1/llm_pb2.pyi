@@ -24,13 +24,23 @@ class ImageRef(_message.Message):
     embedding_blob: bytes
     def __init__(self, key: _Optional[str] = ..., embedding_blob: _Optional[bytes] = ...) -> None: ...
 
+class VideoRef(_message.Message):
+    __slots__ = ("key", "embedding_blob")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_BLOB_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    embedding_blob: bytes
+    def __init__(self, key: _Optional[str] = ..., embedding_blob: _Optional[bytes] = ...) -> None: ...
+
 class ContentPart(_message.Message):
-    __slots__ = ("text", "image")
+    __slots__ = ("text", "image", "video")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
     text: str
     image: ImageRef
-    def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[ImageRef, _Mapping]] = ...) -> None: ...
+    video: VideoRef
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[ImageRef, _Mapping]] = ..., video: _Optional[_Union[VideoRef, _Mapping]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
