@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from encoder_service.video import preprocess_video  # noqa: E402
 from encoder_service.vision import VisionEncoder  # noqa: E402
 from llm_service.engines.base import EngineRequest, GenerationDelta, SamplingParams  # noqa: E402
 from llm_service.engines.transformers_engine import TransformersEngine  # noqa: E402
@@ -110,6 +111,32 @@ async def test_two_images_and_text_only_match_transformers(engines: Engines, enc
         assert _summary(got) == _summary(await _collect(slow, request)), len(pictures)
         results.append(_tokens(got))
     assert len({tuple(r) for r in results}) == 3  # image order and presence both matter
+
+
+async def test_videos_mixed_with_images_match_transformers(engines: Engines, encoder, images) -> None:
+    """M-RoPE over a t > 1 grid, between images: both engines must place every row alike."""
+    fast, slow = engines["base"]
+    builder = PromptBuilder(fast.tokenizer)
+    frames = [make_image(40 + i) for i in range(4)]
+    video = preprocess_video(encoder.processor, frames, 3136, 28 * 28 * 64)
+    (video_embeds,) = encoder.encode_batch([video])
+    image_items = [encoder.preprocess(image) for image in images]
+    image_embeds = encoder.encode_batch(image_items)
+    results = []
+    for order in (("image", "video", "image"), ("video", "image", "image")):
+        turn = ChatTurn("user", [MediaSlot(m) for m in order] + ["What changes over time?"])
+        counts = iter([e.shape[0] for e in image_embeds])
+        ids = builder.build([turn], [video_embeds.shape[0] if m == "video" else next(counts) for m in order])
+        request = EngineRequest(
+            "test", ids, image_embeds, torch.cat([g for _, g in image_items]), SamplingParams(max_tokens=MAX_NEW),
+            image_uuids=["emb:v1:test:i0", "emb:v1:test:i1"], video_embeds=[video_embeds], video_grid_thw=video[1],
+            video_uuids=["emb:v1:test:v0"],
+        )  # fmt: skip
+        assert int(video[1][0, 0]) == 2
+        got = await _collect(fast, request)
+        assert _summary(got) == _summary(await _collect(slow, request)), order
+        results.append(_tokens(got))
+    assert results[0] != results[1]  # where the video sits matters
 
 
 async def test_max_tokens_and_stop_string(engines: Engines, encoder, images) -> None:
