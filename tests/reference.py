@@ -1,7 +1,8 @@
 """Independent greedy reference: transformers' own pieces only, none of our product code.
 
-The prompt is rendered by the checkpoint's chat template, the image goes through
-Qwen2VLImageProcessorPil, and the full model encodes `pixel_values` itself inside `generate`.
+The prompt is rendered by the checkpoint's chat template, an image goes through
+Qwen2VLImageProcessorPil (a video through Qwen2VLVideoProcessor), and the full model encodes the
+pixels itself inside `generate`.
 """
 
 from __future__ import annotations
@@ -27,30 +28,8 @@ def _model(checkpoint: Path) -> Qwen2VLForConditionalGeneration:
 
 def reference_greedy_tokens(checkpoint: Path, image: Image.Image, question: str, max_new_tokens: int) -> list[int]:
     """Greedy completion token ids (eos included when produced) for one image and one question."""
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    processor = Qwen2VLImageProcessorPil.from_pretrained(checkpoint)
-    model = _model(checkpoint)
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    vision = processor(images=[image], return_tensors="pt")
-    merge = model.config.vision_config.spatial_merge_size
-    n_rows = int(vision["image_grid_thw"].prod()) // merge**2
-    image_pad = "<|image_pad|>"
-    assert text.count(image_pad) == 1, text
-    text = text.replace(image_pad, image_pad * n_rows)
-    input_ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    mm_token_type_ids = (input_ids == model.config.image_token_id).long()
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            pixel_values=vision["pixel_values"],
-            image_grid_thw=vision["image_grid_thw"],
-            mm_token_type_ids=mm_token_type_ids,
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-        )
-    return out[0, input_ids.shape[1] :].tolist()
+    vision = Qwen2VLImageProcessorPil.from_pretrained(checkpoint)(images=[image], return_tensors="pt")
+    return _greedy_with_pixels(checkpoint, "image", question, max_new_tokens, dict(vision))
 
 
 def reference_video_greedy_tokens(
@@ -64,28 +43,35 @@ def reference_video_greedy_tokens(
     """
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = _model(checkpoint)
     video = torch.stack([torch.from_numpy(np.array(frame)).permute(2, 0, 1) for frame in frames])
     vision = Qwen2VLVideoProcessor()(videos=[video], do_resize=False, do_sample_frames=False, return_tensors="pt")
-    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": question}]}]
+    return _greedy_with_pixels(checkpoint, "video", question, max_new_tokens, dict(vision))
+
+
+def _greedy_with_pixels(
+    checkpoint: Path, modality: str, question: str, max_new_tokens: int, vision: dict[str, torch.Tensor]
+) -> list[int]:
+    """`generate` on the full model, which encodes the pixels itself: `vision` holds pixel_values and
+    image_grid_thw (modality "image") or pixel_values_videos and video_grid_thw ("video")."""
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = _model(checkpoint)
+    messages = [{"role": "user", "content": [{"type": modality}, {"type": "text", "text": question}]}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     merge = model.config.vision_config.spatial_merge_size
-    n_rows = int(vision["video_grid_thw"].prod()) // merge**2
-    video_pad = "<|video_pad|>"
-    assert text.count(video_pad) == 1, text
-    input_ids = tokenizer(text.replace(video_pad, video_pad * n_rows), add_special_tokens=False, return_tensors="pt")[
-        "input_ids"
-    ]
-    mm_token_type_ids = (input_ids == model.config.video_token_id).long() * 2  # 2 = video
+    n_rows = int(vision[f"{modality}_grid_thw"].prod()) // merge**2
+    pad = f"<|{modality}_pad|>"
+    assert text.count(pad) == 1, text
+    input_ids = tokenizer(text.replace(pad, pad * n_rows), add_special_tokens=False, return_tensors="pt")["input_ids"]
+    pad_id = model.config.image_token_id if modality == "image" else model.config.video_token_id
+    # The processor's token types: 0 text, 1 image, 2 video.
+    mm_token_type_ids = (input_ids == pad_id).long() * (1 if modality == "image" else 2)
     with torch.inference_mode():
         out = model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
-            pixel_values_videos=vision["pixel_values_videos"],
-            video_grid_thw=vision["video_grid_thw"],
             mm_token_type_ids=mm_token_type_ids,
             do_sample=False,
             max_new_tokens=max_new_tokens,
+            **vision,
         )
     return out[0, input_ids.shape[1] :].tolist()
