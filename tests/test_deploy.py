@@ -229,6 +229,8 @@ def _stack() -> list[Doc]:
     llm = _server("llm", ("grpc", 50061), {
         "LLM_MODEL_NAME": "ft-a", "LLM_CHECKPOINT": "/models/ft-a", "LLM_PORT": "50061", "LLM_DEVICE": "cuda",
         "LLM_REDIS_URL": REDIS_URL, "LLM_EMBEDDING_TTL_S": "86400"}, {"grpc": {"port": 50061}})  # fmt: skip
+    for torch_server in (encoder, llm):  # threads = limits.cpu ("1")
+        torch_server["env"] += [{"name": "OMP_NUM_THREADS", "value": "1"}, {"name": "MKL_NUM_THREADS", "value": "1"}]
     llm["resources"]["limits"]["nvidia.com/gpu"] = 1
     gateway = _server("gateway", ("http", 8000), {"GATEWAY_PORT": "8000"}, {"httpGet": {"path": "/livez", "port": "http"}})
     gateway["env"] += [
@@ -332,6 +334,11 @@ BREAKAGES: list[tuple[str, str, Breakage]] = [
     ("gpus", "no GPU in limits", lambda d: _res(d, "llm-ft-a", "limits").pop("nvidia.com/gpu")),
     ("gpus", "not a whole number of GPUs", lambda d: _res(d, "llm-ft-a", "limits").update({"nvidia.com/gpu": "500m"})),
     ("gpus", "holds a GPU but device is ['cpu']", lambda d: _set_env(d, "llm-ft-a", "LLM_DEVICE", {"value": "cpu"})),
+    ("torch_threads", "llm: runs torch without OMP_NUM_THREADS", lambda d: _set_env(d, "llm-ft-a", "OMP_NUM_THREADS", None)),
+    ("torch_threads", "OMP_NUM_THREADS=2 is above the CPU limit 1", lambda d: _set_env(d, "encoder", "OMP_NUM_THREADS", {"value": "2"})),
+    ("torch_threads", "OMP_NUM_THREADS='0' is not a positive", lambda d: _set_env(d, "encoder", "OMP_NUM_THREADS", {"value": "0"})),
+    ("torch_threads", "MKL_NUM_THREADS=None differs", lambda d: _set_env(d, "llm-ft-a", "MKL_NUM_THREADS", None)),
+    ("torch_threads", "gateway: OMP_NUM_THREADS=4 is above", lambda d: _set_env(d, "gateway", "OMP_NUM_THREADS", {"value": "4"})),
     ("no_inline_secrets", "Secret/t: carries data inline", lambda d: d.append(copy.deepcopy(SECRET_DOC))),
     ("no_inline_secrets", "GATEWAY_API_KEYS must come from", lambda d: _set_env(d, "gateway", "GATEWAY_API_KEYS", {"value": "[]"})),
     ("no_inline_secrets", "LLM_GRPC_TOKEN must come from a secretKeyRef", lambda d: _set_env(d, "llm-ft-a", "LLM_GRPC_TOKEN", CM_TOKEN)),

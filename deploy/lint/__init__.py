@@ -2,8 +2,8 @@
 
 `kubernetes-validate --strict` checks each document's shape. These rules check the documents
 against each other and against how the services behave (README settings, DESIGN.md): names,
-selectors, Service and probe ports, the gateway's routing (wiring.py); quantities, GPUs,
-secrets, shutdown timing, security context, service links, Redis and image tags (policy.py).
+selectors, Service and probe ports, the gateway's routing (wiring.py); quantities, GPUs, torch
+threads, secrets, shutdown timing, security context, service links, Redis and image tags (policy.py).
 
 Each rule takes every rendered document of one overlay and returns findings, one
 "Kind/name: problem" string each; no findings means clean.
@@ -27,6 +27,7 @@ from deploy.lint.policy import (
     security,
     service_links,
     termination,
+    torch_threads,
 )
 from deploy.lint.wiring import names, probes, routing, selectors, service_targets
 
@@ -34,7 +35,7 @@ Rule = Callable[[list[Doc]], list[str]]
 
 RULES: dict[str, Rule] = {
     rule.__name__: rule
-    for rule in (names, selectors, service_targets, routing, probes, quantities, gpus,
+    for rule in (names, selectors, service_targets, routing, probes, quantities, gpus, torch_threads,
                  no_inline_secrets, termination, security, service_links, redis, images)
 }  # fmt: skip
 
@@ -48,5 +49,7 @@ def render(kustomization: Path) -> list[Doc]:
     """`kubectl kustomize DIR` parsed into documents (needs kubectl and PyYAML)."""
     import yaml
 
-    out = subprocess.run(["kubectl", "kustomize", str(kustomization)], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(kustomization)], check=True, capture_output=True, text=True
+    ).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]

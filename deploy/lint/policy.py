@@ -1,5 +1,5 @@
-"""Rules on each workload's own settings: resources, GPUs, secrets, shutdown timing, security
-context, service links, Redis and image tags."""
+"""Rules on each workload's own settings: resources, GPUs, torch threads, secrets, shutdown
+timing, security context, service links, Redis and image tags."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from deploy.lint.manifests import (
 
 DEFAULT_GRACE_S = 10.0  # *_GRACE_S default of both gRPC services (README)
 GRPC_SERVER_PREFIXES = ("ENCODER_", "LLM_")
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # torch's intra-op pools (OpenMP, MKL)
 SECRET_ENV = re.compile(r"TOKEN|PASSWORD|PASSWD|SECRET|API_KEY|CREDENTIAL|PRIVATE_KEY", re.IGNORECASE)
 CREDENTIAL_URL = re.compile(r"://[^/\s:@]*:[^/\s@]+@")
 REDIS_UNITS = {"": 1, "k": 1000, "kb": 1024, "m": 10**6, "mb": 2**20, "g": 10**9, "gb": 2**30}
@@ -74,7 +75,9 @@ def gpus(docs: list[Doc]) -> list[str]:
     for w in workloads(docs):
         for c in containers(w):
             where, res = f"{ident(w)}/{c['name']}", c.get("resources", {})
-            found += [f"{where}: {r} in requests; set GPUs in limits only" for r in res.get("requests", {}) if _is_gpu(r)]
+            found += [
+                f"{where}: {r} in requests; set GPUs in limits only" for r in res.get("requests", {}) if _is_gpu(r)
+            ]
             gpu_limits = {r: v for r, v in res.get("limits", {}).items() if _is_gpu(r)}
             for resource, value in gpu_limits.items():
                 if not (str(value).isdigit() and int(value) >= 1):
@@ -90,6 +93,35 @@ def gpus(docs: list[Doc]) -> list[str]:
 
 def _is_gpu(resource: str) -> bool:
     return resource.endswith("/gpu")
+
+
+def torch_threads(docs: list[Doc]) -> list[str]:
+    """Containers running torch (ENCODER_*/LLM_* settings, or any that sizes the thread pools) set
+    OMP_NUM_THREADS, and MKL_NUM_THREADS alike, to a whole number within their CPU limit: torch
+    otherwise starts one thread per CPU of the node, and a pod limited to 2 of 64 is throttled."""
+    found = []
+    for w in workloads(docs):
+        for c in containers(w):
+            where, values = f"{ident(w)}/{c['name']}", env(c)
+            runs_torch = any(n.startswith(GRPC_SERVER_PREFIXES) for n in values)
+            if not runs_torch and not values.keys() & set(THREAD_ENV):
+                continue
+            if "OMP_NUM_THREADS" not in values:
+                found.append(f"{where}: runs torch without OMP_NUM_THREADS; set it to the CPU limit")
+                continue
+            threads, mkl = env_value(c, "OMP_NUM_THREADS"), env_value(c, "MKL_NUM_THREADS")
+            if not (threads and threads.isascii() and threads.isdigit() and int(threads) > 0):
+                found.append(f"{where}: OMP_NUM_THREADS={threads!r} is not a positive whole number")
+                continue
+            if mkl != threads:
+                found.append(f"{where}: MKL_NUM_THREADS={mkl!r} differs from OMP_NUM_THREADS={threads!r}")
+            limit = c.get("resources", {}).get("limits", {}).get("cpu")
+            try:
+                if limit is not None and int(threads) > parse_quantity(limit):
+                    found.append(f"{where}: OMP_NUM_THREADS={threads} is above the CPU limit {limit}")
+            except ValueError:
+                pass  # the quantities rule reports it
+    return found
 
 
 def no_inline_secrets(docs: list[Doc]) -> list[str]:
@@ -171,7 +203,8 @@ def security(docs: list[Doc]) -> list[str]:
                 found.append(f"{where}: capabilities are not drop [ALL]")
             if ctx.get("readOnlyRootFilesystem") is not True:
                 found.append(f"{where}: root filesystem is writable")
-            if ctx.get("seccompProfile", pod.get("seccompProfile", {})).get("type") not in ("RuntimeDefault", "Localhost"):
+            seccomp = ctx.get("seccompProfile", pod.get("seccompProfile", {})).get("type")
+            if seccomp not in ("RuntimeDefault", "Localhost"):
                 found.append(f"{where}: no RuntimeDefault seccomp profile")
     return found
 
@@ -193,7 +226,9 @@ def service_links(docs: list[Doc]) -> list[str]:
             clashes = sorted(i for i in injected for p in prefixes if i.startswith(p))
             if clashes:
                 where = f"{ident(w)}/{c['name']}"
-                found.append(f"{where}: service links inject {clashes[0]}PORT into its settings; set enableServiceLinks: false")
+                found.append(
+                    f"{where}: service links inject {clashes[0]}PORT into its settings; set enableServiceLinks: false"
+                )
     return found
 
 

@@ -32,7 +32,9 @@ SERVICE_TARGET = re.compile(r"dns:///([a-z0-9-]+)\.([a-z0-9-]+)\.svc\.cluster\.l
 def names(docs: list[Doc]) -> list[str]:
     """DNS-1123 object and container names, IANA port names, no duplicate objects or env vars."""
     found = []
-    for (kind, ns, name), count in Counter((d.get("kind"), namespace(d), d["metadata"].get("name")) for d in docs).items():
+    for (kind, ns, name), count in Counter(
+        (d.get("kind"), namespace(d), d["metadata"].get("name")) for d in docs
+    ).items():
         if count > 1:
             found.append(f"{kind}/{name}: defined {count} times in namespace {ns}")
     for doc in docs:
@@ -94,7 +96,9 @@ def _hpa_findings(docs: list[Doc], hpa: Doc) -> list[str]:
     found = []
     if "replicas" in targets[0]["spec"]:
         found.append(f"{ident(hpa)}: {ident(targets[0])} sets spec.replicas, which resets the HPA on every apply")
-    scales_on = {m.get("resource", {}).get("name") for m in hpa["spec"].get("metrics", []) if m.get("type") == "Resource"}
+    scales_on = {
+        m.get("resource", {}).get("name") for m in hpa["spec"].get("metrics", []) if m.get("type") == "Resource"
+    }
     for resource in scales_on:
         if any(resource not in c.get("resources", {}).get("requests", {}) for c in containers(targets[0], init=False)):
             found.append(f"{ident(hpa)}: scales on {resource} but {ident(targets[0])} does not request {resource}")
@@ -207,7 +211,9 @@ def probes(docs: list[Doc]) -> list[str]:
             if any(name.endswith("_CHECKPOINT") for name in env(c)):
                 budget = _startup_budget(c.get("startupProbe"))
                 if budget < MIN_MODEL_STARTUP_S:
-                    found.append(f"{where}: loads a model but its startupProbe allows {budget}s (< {MIN_MODEL_STARTUP_S}s)")
+                    found.append(
+                        f"{where}: loads a model but its startupProbe allows {budget}s (< {MIN_MODEL_STARTUP_S}s)"
+                    )
     return found
 
 
