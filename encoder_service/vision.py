@@ -16,6 +16,8 @@ from transformers.initialization import no_init_weights
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
+from encoder_service.batch_invariant import make_batch_invariant
+
 # transformers 5.x save_pretrained writes the hub layout (`visual.`); in-memory 5.x names use
 # `model.visual.`. Accept both so checkpoints from any version load.
 VISION_PREFIXES = ("model.visual.", "visual.")
@@ -43,7 +45,11 @@ def read_vision_state_dict(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
 
 
 class VisionEncoder:
-    """Preprocesses PIL images and encodes batches of them into LM-space embeddings."""
+    """Preprocesses PIL images and encodes batches of them into LM-space embeddings.
+
+    An image's embeddings are bit-identical whichever images share its batch, and equal to what the
+    unmodified tower gives for it alone (see batch_invariant.py): stored blobs are keyed by the image.
+    """
 
     def __init__(
         self,
@@ -52,7 +58,7 @@ class VisionEncoder:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
-        self.tower = tower
+        self.tower = make_batch_invariant(tower)
         self.processor = processor
         self.device = device
         self.dtype = dtype
@@ -103,13 +109,14 @@ class VisionEncoder:
         return out["pixel_values"], out["image_grid_thw"].to(torch.int64)
 
     def rows_for(self, grid_thw: torch.Tensor) -> int:
-        """Embedding rows one image yields: prod(grid_thw) // merge_size**2."""
-        return int(grid_thw.prod()) // self.merge_size**2
+        """Embedding rows one item yields: sum(prod(grid_thw)) // merge_size**2, for grid_thw [n, 3]."""
+        return int(grid_thw.reshape(-1, 3).prod(dim=-1).sum()) // self.merge_size**2
 
     def encode_batch(self, items: list[Preprocessed]) -> list[torch.Tensor]:
-        """Encode several preprocessed images in one forward pass.
+        """Encode several preprocessed images (or videos) in one forward pass.
 
-        Returns one [rows, hidden_size] tensor per item, on CPU, in the encoder dtype.
+        Returns one [rows, hidden_size] tensor per item, on CPU, in the encoder dtype; each is
+        bit-identical to `encode_batch([item])[0]`.
         """
         if not items:
             return []
@@ -117,6 +124,6 @@ class VisionEncoder:
         grid_thw = torch.cat([grid.reshape(-1, 3) for _, grid in items]).to(self.device, torch.int64)
         with torch.inference_mode():
             merged = self.tower(pixel_values, grid_thw=grid_thw).pooler_output
-        sizes = [self.rows_for(grid) for grid in grid_thw]
+        sizes = [self.rows_for(grid) for _, grid in items]
         # clone: each result is stored on its own; a view would keep the whole batch alive.
         return [chunk.to("cpu").clone() for chunk in torch.split(merged, sizes)]

@@ -106,22 +106,7 @@ def test_encoder_id_changes_with_vision_weights_or_preprocessing(ckpts: dict[str
     assert compute_encoder_id(other) != base_id
 
 
-# --- vision encoder -----------------------------------------------------------------------
-
-
-def test_encode_batch_matches_single_and_full_model(encoder: VisionEncoder, ckpts: dict[str, Path], images) -> None:
-    items = [encoder.preprocess(image) for image in images]
-    batched = encoder.encode_batch(items)
-    singles = [encoder.encode_batch([item])[0] for item in items]
-    for out, (_, grid) in zip(batched, items):
-        assert out.shape == (int(grid.prod()) // 4, encoder.hidden_size) and out.device.type == "cpu"
-    for b, s in zip(batched, singles):  # not bitwise: matmul blocking depends on the batch shape
-        torch.testing.assert_close(b, s, rtol=1e-5, atol=1e-4)
-    model = Qwen2VLForConditionalGeneration.from_pretrained(ckpts["base"]).eval()
-    with torch.inference_mode():
-        ref = model.model.get_image_features(torch.cat([p for p, _ in items]), torch.cat([g for _, g in items]))
-    assert all(torch.equal(b, r) for b, r in zip(batched, ref.pooler_output))
-    assert not torch.allclose(batched[0][:4], batched[1][:4])
+# --- vision encoder (batching: test_encoder_batching.py) ----------------------------------
 
 
 def test_preprocess_respects_pixel_bounds(encoder: VisionEncoder) -> None:

@@ -1,0 +1,233 @@
+"""Batched encoding: bit-identical to one image at a time, and one forward pass per burst.
+
+An image's blob is stored under a key derived from the image alone, so its embeddings must not
+depend on the images it happened to share a forward pass with (encoder_service/batch_invariant.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from transformers import Qwen2VLForConditionalGeneration
+from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+from encoder_service.batcher import MicroBatcher
+from encoder_service.video import VIDEO_MIN_PIXELS, preprocess_video
+from encoder_service.vision import Preprocessed, VisionEncoder
+from shared.bench_checkpoint import BENCH_VISION
+from tests.model_fixtures import make_image
+
+# (width, height): grids of different sizes and aspect ratios, from 4x4 patches to the 16x16 maximum.
+SIZES = [(100, 80), (140, 60), (56, 56), (224, 224), (60, 200)]
+# Each order puts every image at another offset and beside other neighbours.
+ORDERS = [[0, 1, 2, 3, 4], [4, 3, 2, 1, 0], [3, 0, 4, 2, 1], [2, 4], [1, 3, 0]]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@pytest.fixture(scope="module")
+def encoders(checkpoints: dict[str, Path]) -> dict[str, VisionEncoder]:
+    return {name: VisionEncoder.load(str(checkpoints["base"]), dtype=dtype) for name, dtype in DTYPES.items()}
+
+
+@pytest.fixture(scope="module")
+def items(encoders: dict[str, VisionEncoder]) -> list[Preprocessed]:
+    return [encoders["float32"].preprocess(make_image(10 + i, w, h)) for i, (w, h) in enumerate(SIZES)]
+
+
+@pytest.fixture(params=[2, 3], ids=lambda n: f"{n}threads")
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    # With 3 threads, per-thread chunks of element-wise kernels end mid-vector: the case that
+    # per-image GEMMs alone did not make invariant.
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _bench_shaped_encoder(processor_of: VisionEncoder, dtype: torch.dtype) -> VisionEncoder:
+    """Qwen2-VL-2B's tower shape (embed 1280, 16 heads, mlp ratio 4, out 1536), one block, random weights."""
+    torch.manual_seed(0)
+    tower = Qwen2VisionTransformerPretrainedModel._from_config(Qwen2VLVisionConfig(**{**BENCH_VISION, "depth": 1}))
+    return VisionEncoder(tower.to(dtype).eval(), processor_of.processor, torch.device("cpu"), dtype)
+
+
+def _assert_batches_equal_singles(encoder: VisionEncoder, items: list[Preprocessed]) -> None:
+    singles = [encoder.encode_batch([item])[0] for item in items]
+    assert len({s.shape for s in singles}) == len(items), "the images should differ in size"
+    for order in ORDERS:
+        batched = encoder.encode_batch([items[i] for i in order])
+        for position, index in enumerate(order):
+            assert batched[position].dtype == encoder.dtype and batched[position].device.type == "cpu"
+            assert torch.equal(batched[position], singles[index]), f"image {index} in batch order {order}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tiny_tower_batches_are_bit_identical_to_singles(
+    encoders: dict[str, VisionEncoder], items: list[Preprocessed], dtype: str, threads: int
+) -> None:
+    _assert_batches_equal_singles(encoders[dtype], items)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bench_shaped_tower_batches_are_bit_identical_to_singles(
+    encoders: dict[str, VisionEncoder], items: list[Preprocessed], dtype: str, threads: int
+) -> None:
+    _assert_batches_equal_singles(_bench_shaped_encoder(encoders[dtype], DTYPES[dtype]), items)
+
+
+def test_video_and_images_in_one_batch_are_bit_identical_to_singles(
+    encoders: dict[str, VisionEncoder], items: list[Preprocessed]
+) -> None:
+    """A video is one item of t*h*w patch rows (attention per frame): it too must not see its neighbours."""
+    encoder = encoders["float32"]
+    frames = [make_image(60 + i, 120, 90) for i in range(3)]
+    video = preprocess_video(encoder.processor, frames, VIDEO_MIN_PIXELS // 4, VIDEO_MIN_PIXELS // 4)
+    assert int(video[1][0, 0]) == 2
+    _assert_batches_equal_singles(encoder, [items[0], video, items[3], items[1], items[4]])
+
+
+def test_batched_rows_equal_transformers_image_features_of_each_image_alone(
+    encoders: dict[str, VisionEncoder], items: list[Preprocessed], checkpoints: dict[str, Path]
+) -> None:
+    """Exact, no tolerance: each image's rows in a batch are what the stock model gives for it alone."""
+    batched = encoders["float32"].encode_batch(items)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(checkpoints["base"]).eval()
+    with torch.inference_mode():
+        for (pixel_values, grid), rows in zip(items, batched, strict=True):
+            (reference,) = model.model.get_image_features(pixel_values, grid).pooler_output
+            assert rows.shape == (int(grid.prod()) // 4, encoders["float32"].hidden_size)
+            assert torch.equal(rows, reference)
+    assert not torch.allclose(batched[0][:4], batched[1][:4])
+
+
+# --- the micro-batcher, on the real tiny encoder ------------------------------------------
+
+
+class CountingEncoder:
+    """The real encoder; records the size of every forward pass."""
+
+    def __init__(self, encoder: VisionEncoder) -> None:
+        self.encoder = encoder
+        self.passes: list[int] = []
+
+    def encode_batch(self, items: list[Preprocessed]) -> list[torch.Tensor]:
+        self.passes.append(len(items))
+        return self.encoder.encode_batch(items)
+
+
+def _burst_image(index: int) -> Image.Image:
+    return make_image(100 + index, 90 + 10 * index, 80)
+
+
+async def _encode_burst(
+    batcher: MicroBatcher[Preprocessed, torch.Tensor], encoder: VisionEncoder, count: int, stagger_s: float
+) -> list[torch.Tensor]:
+    """`count` concurrent callers that, like EncoderCore, announce, then preprocess, then submit.
+
+    Caller i is ready `i * stagger_s` later than caller 0, well past the batcher's max_wait.
+    """
+
+    async def one(index: int) -> torch.Tensor:
+        async with batcher.reserve() as slot:
+            await asyncio.sleep(index * stagger_s)
+            return await slot.submit(await asyncio.to_thread(encoder.preprocess, _burst_image(index)))
+
+    return await asyncio.gather(*(one(i) for i in range(count)))
+
+
+async def test_burst_of_eight_announced_encodes_runs_one_forward_pass(encoders: dict[str, VisionEncoder]) -> None:
+    counting = CountingEncoder(encoders["float32"])
+    batcher = MicroBatcher(counting.encode_batch, max_batch_size=8, max_wait_s=0.005, max_hold_s=30)
+    batcher.start()
+    try:
+        results = await _encode_burst(batcher, counting.encoder, 8, stagger_s=0.02)
+    finally:
+        await batcher.aclose()
+    assert counting.passes == [8] and batcher.batches_run == 1
+    for index, rows in enumerate(results):
+        (alone,) = counting.encoder.encode_batch([counting.encoder.preprocess(_burst_image(index))])
+        assert torch.equal(rows, alone)
+
+
+async def test_batch_size_stays_bounded(encoders: dict[str, VisionEncoder]) -> None:
+    counting = CountingEncoder(encoders["float32"])
+    batcher = MicroBatcher(counting.encode_batch, max_batch_size=4, max_wait_s=0.005, max_hold_s=30)
+    batcher.start()
+    try:
+        await _encode_burst(batcher, counting.encoder, 10, stagger_s=0.0)
+    finally:
+        await batcher.aclose()
+    assert sorted(counting.passes, reverse=True) == [4, 4, 2]
+
+
+async def test_unannounced_items_wait_at_most_max_wait(encoders: dict[str, VisionEncoder]) -> None:
+    counting = CountingEncoder(encoders["float32"])
+    batcher = MicroBatcher(counting.encode_batch, max_batch_size=8, max_wait_s=0.05)
+    batcher.start()
+    item = counting.encoder.preprocess(make_image(7))
+    try:
+        together = await asyncio.gather(*(batcher.submit(item) for _ in range(3)))
+
+        async def late() -> torch.Tensor:
+            await asyncio.sleep(0.5)
+            return await batcher.submit(item)
+
+        await asyncio.gather(batcher.submit(item), late())
+    finally:
+        await batcher.aclose()
+    assert counting.passes == [3, 1, 1]
+    assert all(torch.equal(rows, together[0]) for rows in together)
+
+
+async def test_announced_item_is_awaited_at_most_max_hold(encoders: dict[str, VisionEncoder]) -> None:
+    counting = CountingEncoder(encoders["float32"])
+    batcher = MicroBatcher(counting.encode_batch, max_batch_size=8, max_wait_s=0.005, max_hold_s=0.2)
+    batcher.start()
+    item = counting.encoder.preprocess(make_image(7))
+
+    async def slow() -> torch.Tensor:
+        async with batcher.reserve() as slot:
+            await asyncio.sleep(2.0)
+            return await slot.submit(item)
+
+    try:
+        slow_task = asyncio.create_task(slow())
+        await asyncio.sleep(0)
+        started = time.perf_counter()
+        await batcher.submit(item)
+        waited = time.perf_counter() - started
+        await slow_task
+    finally:
+        await batcher.aclose()
+    assert counting.passes == [1, 1] and 0.2 <= waited < 1.5
+
+
+async def test_withdrawn_reservation_releases_the_batch(encoders: dict[str, VisionEncoder]) -> None:
+    counting = CountingEncoder(encoders["float32"])
+    batcher = MicroBatcher(counting.encode_batch, max_batch_size=8, max_wait_s=0.005, max_hold_s=30)
+    batcher.start()
+    item = counting.encoder.preprocess(make_image(7))
+
+    async def fails_while_preparing() -> None:
+        async with batcher.reserve():
+            await asyncio.sleep(0.1)
+            raise ValueError("not an image")
+
+    try:
+        failing = asyncio.create_task(fails_while_preparing())
+        await asyncio.sleep(0)
+        started = time.perf_counter()
+        await batcher.submit(item)
+        waited = time.perf_counter() - started
+        with pytest.raises(ValueError, match="not an image"):
+            await failing
+    finally:
+        await batcher.aclose()
+    assert counting.passes == [1] and waited < 5
