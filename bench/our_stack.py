@@ -19,6 +19,7 @@ class StackOptions:
     redis_url: str
     engine: str  # LLM_ENGINE: "vllm" or "transformers"
     dtype: str  # dtype of the vision tower and the language models
+    eager: bool = False  # vLLM without torch.compile (LLM_ENFORCE_EAGER; --quick), baselines alike
     start_timeout_s: float = 900
 
 
@@ -55,7 +56,8 @@ def start_our_stack(
             "LLM_ENGINE": options.engine, "LLM_DTYPE": options.dtype, "LLM_REDIS_URL": options.redis_url,
             # The same context and KV cache as the plain vLLM servers they are compared with.
             "LLM_MAX_MODEL_LEN": str(MAX_MODEL_LEN), "LLM_KV_CACHE_GIB": KV_CACHE_GIB,
-            "LLM_LOG_LEVEL": "WARNING", "LLM_METRICS_PORT": "0", **vllm_env(count_dir),
+            "LLM_ENFORCE_EAGER": str(options.eager).lower(), "LLM_LOG_LEVEL": "WARNING", "LLM_METRICS_PORT": "0",
+            **vllm_env(count_dir),
         }  # fmt: skip
         weights = count_weights(checkpoint).language_bytes(options.dtype)
         service = group.start(

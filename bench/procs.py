@@ -127,23 +127,25 @@ def memory_of(service: Service) -> MemoryRecord:
     )
 
 
-def stop(service: Service, timeout_s: float = 30) -> None:
-    """SIGTERM, then SIGKILL for the service and any child that outlived it (vLLM's engine
-    processes must not keep gigabytes after the benchmark moves on)."""
-    if service.process.poll() is not None:
-        return
-    children = process_tree(service.process.pid)[1:]
-    service.process.send_signal(signal.SIGTERM)
-    try:
-        service.process.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        service.process.kill()
-        service.process.wait()
-    for pid in children:
+def stop_all(services: list[Service], timeout_s: float = 30) -> None:
+    """SIGTERM to every service at once (each vLLM takes seconds to shut down), then SIGKILL for
+    any service, or child of one, still there after timeout_s: vLLM's engine processes must not
+    keep gigabytes after the benchmark moves on."""
+    running = [(s, process_tree(s.process.pid)[1:]) for s in services if s.process.poll() is None]
+    for service, _ in running:
+        service.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for service, children in running:
         try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            continue
+            service.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            service.process.kill()
+            service.process.wait()
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
 
 
 @dataclass
@@ -163,8 +165,7 @@ class ServiceGroup:
 
     def close(self) -> list[MemoryRecord]:
         self.memory = [memory_of(s) for s in self.services if s.process.poll() is None]
-        for service in reversed(self.services):
-            stop(service)
+        stop_all(self.services)
         return self.memory
 
     def __enter__(self) -> ServiceGroup:

@@ -62,7 +62,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def _run_one(key: str, args: argparse.Namespace, redis_url: str, log_dir: Path, nonce: int) -> ScenarioResult:
-    stack = StackOptions(redis_url, args.engine, args.dtype)
+    stack = StackOptions(redis_url, args.engine, args.dtype, eager=args.quick)
     if key == "3":
         return s3_transport.run(redis_url, args.quick)
     if key == "2":

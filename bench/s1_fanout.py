@@ -73,7 +73,7 @@ def _run_baseline(
             weights = count_weights(checkpoint).total_bytes(stack.dtype)
             service = start_vllm_server(
                 group, f"baseline-vllm-{name}", name, checkpoint, port, stack.dtype, embeds_only=False,
-                weight_bytes=weights, weights=f"vision tower + language model, {stack.dtype}",
+                weight_bytes=weights, weights=f"vision tower + language model, {stack.dtype}", eager=stack.eager,
             )  # fmt: skip
             servers[name] = (service, port)
         for service, port in servers.values():

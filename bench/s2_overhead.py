@@ -17,6 +17,7 @@ import base64
 import io
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,22 +156,28 @@ def _fill(result: ScenarioResult, runs: dict[str, dict[str, LoadResult]]) -> Non
 def run(stack: StackOptions, options: OverheadOptions, log_dir: Path, nonce: int) -> ScenarioResult:
     rounds, sequential = (2, 8) if options.quick else (5, 24)
     title = f"Overhead: gateway -> LLM service ({stack.engine}) vs plain vLLM with inline image_embeds"
-    config = {"checkpoint": str(options.checkpoint), "engine": stack.engine, "dtype": stack.dtype, "concurrency": CONCURRENCY,
-              "rounds": rounds, "max_tokens": MAX_TOKENS, "sequential_requests": sequential}  # fmt: skip
+    config = {"checkpoint": str(options.checkpoint), "engine": stack.engine, "dtype": stack.dtype, "eager": stack.eager,
+              "concurrency": CONCURRENCY, "rounds": rounds, "max_tokens": MAX_TOKENS, "sequential_requests": sequential}  # fmt: skip
     result = ScenarioResult("2", title, COLUMNS, {}, config=config)
     images = store_images(options.checkpoint, stack.redis_url, 8, stack.dtype, nonce)
     language = count_weights(options.checkpoint).language_bytes(stack.dtype)
+    began = time.monotonic()
     with ServiceGroup(log_dir / "s2") as group:
         port = free_port()
+        # Both start at once (their start-up is mostly imports and, unless eager, torch.compile);
+        # they are only ever loaded in turn.
         direct = start_vllm_server(group, "direct-vllm", MODEL, options.checkpoint, port, stack.dtype, embeds_only=True,
-                                   weight_bytes=language, weights=f"language model, {stack.dtype}")  # fmt: skip
+                                   weight_bytes=language, weights=f"language model, {stack.dtype}", eager=stack.eager)  # fmt: skip
         ours = start_our_stack(group, stack, {MODEL: options.checkpoint}, encoder_checkpoint=None)
         wait_vllm_ready(direct, port, stack.start_timeout_s)
+        config["startup_s"] = round(time.monotonic() - began, 1)
         urls = {
             "ours": f"{ours.base_url}/v1/chat/completions",
             "direct vLLM": f"http://127.0.0.1:{port}/v1/chat/completions",
         }
         runs = asyncio.run(_measure(urls, images, rounds, sequential))
+        config["measure_s"] = round(time.monotonic() - began - config["startup_s"], 1)
+    config["stop_s"] = round(time.monotonic() - began - config["startup_s"] - config["measure_s"], 1)
     result.memory = group.memory
     _fill(result, runs)
     result.notes.append(

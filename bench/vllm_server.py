@@ -52,12 +52,14 @@ def start_vllm_server(
     weight_bytes: int,
     weights: str,
     python: str | None = None,
+    eager: bool = False,
 ) -> Service:
     """`python -m vllm.entrypoints.openai.api_server` for one checkpoint, served as `served_name`;
     `name` names the service in logs and the memory table.
 
     embeds_only: accept inline `image_embeds` and skip the vision tower (images limited to 0,
     as our LLM service's engine does); otherwise a stock server that encodes `image_url` itself.
+    eager: `--enforce-eager`, as our services get LLM_ENFORCE_EAGER (quick runs: no torch.compile).
     """
     argv = [
         *python_module("vllm.entrypoints.openai.api_server", python),
@@ -67,6 +69,8 @@ def start_vllm_server(
     ]  # fmt: skip
     if embeds_only:
         argv += ["--enable-mm-embeds", "--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0})]
+    if eager:
+        argv.append("--enforce-eager")
     env = vllm_env(group.log_dir / f"{name}.encodes")
     return group.start(name, argv, env, weight_bytes, weights)
 

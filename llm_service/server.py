@@ -44,8 +44,9 @@ class LLMServer:
 def build_core(settings: LLMSettings) -> LLMCore:
     checkpoint = resolve_checkpoint(settings.checkpoint)
     engine = load_engine(
-        settings.engine, checkpoint, settings.device, settings.dtype, settings.max_model_len, settings.kv_cache_gib
-    )
+        settings.engine, checkpoint, settings.device, settings.dtype, settings.max_model_len, settings.kv_cache_gib,
+        settings.enforce_eager,
+    )  # fmt: skip
     merge_size = AutoConfig.from_pretrained(checkpoint).vision_config.spatial_merge_size
     accepted = settings.accepted_encoder_ids or [compute_encoder_id(checkpoint)]
     rules = BlobRules(merge_size, engine.hidden_size, frozenset(accepted))

@@ -27,13 +27,22 @@ def resolve_engine_name(name: EngineName) -> Literal["vllm", "transformers"]:
 
 
 def load_engine(
-    name: EngineName, checkpoint: Path, device: str, dtype: str, max_model_len: int, kv_cache_gib: float | None
+    name: EngineName,
+    checkpoint: Path,
+    device: str,
+    dtype: str,
+    max_model_len: int,
+    kv_cache_gib: float | None,
+    enforce_eager: bool = False,
 ) -> Engine:
     """Imports only the chosen engine: vLLM is heavy and absent on some machines."""
     if resolve_engine_name(name) == "vllm":
         from llm_service.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine.load(str(checkpoint), dtype=dtype, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib)
+        return VLLMEngine.load(
+            str(checkpoint), dtype=dtype, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
+            enforce_eager=enforce_eager,
+        )  # fmt: skip
     from llm_service.engines.transformers_engine import TransformersEngine
 
     return TransformersEngine.load(str(checkpoint), device, getattr(torch, dtype))
