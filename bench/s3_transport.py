@@ -1,10 +1,10 @@
 """Scenario 3, transport: what an LLM service pays to get an image's embeddings.
 
 For blobs of ~0.8, 7.3 and 29 MB (float32, hidden 1536: 130, 1188 and 4720 image tokens), the
-service path, `EmbeddingStore.get_many` (MGET under a timeout) plus `decode_blob` (safetensors
-header parse, zero-copy tensor views of the fetched bytes, invariants, finite check) on a worker
-thread as LLMCore runs it, against a plain GET of the same bytes on the store's own redis-py
-client and connection; and a pod-cache hit. Its parts are timed alone too
+service's own path, `llm_service.blob_fetch.fetch_items` (MGET under a timeout, then `decode_blob`:
+safetensors header parse, zero-copy tensor views of the fetched bytes, invariants, finite check;
+on a worker thread only for large blobs), against a plain GET of the same bytes on the store's own
+redis-py client and connection; and a pod-cache hit. Its parts are timed alone too
 (get_many, decode on the loop, a bare thread hop), to show where its time over a raw GET goes.
 Runs in this process against the benchmark's Redis; timings are interleaved so drift from other
 load hits both sides alike.
@@ -22,6 +22,7 @@ import torch
 
 from bench.outcome import ScenarioResult, Target
 from bench.stats import median, percentile, ratio
+from llm_service.blob_fetch import fetch_items
 from shared.blob import BlobRules, EmbeddingBlob, decode_blob, encode_blob
 from shared.keys import embedding_key
 from shared.store import EmbeddingStore, StoreConfig
@@ -78,8 +79,8 @@ async def _measure_size(url: str, grid: tuple[int, int, int], seed: int, iterati
         await raw.set(key, data)
 
         async def ours() -> EmbeddingBlob:
-            (stored,) = await store.get_many([key])
-            return await asyncio.to_thread(decode_blob, stored, RULES, key)
+            (blob,) = await fetch_items(store, [key], RULES)
+            return blob
 
         async def decode_only() -> EmbeddingBlob:
             return decode_blob(data, RULES, key)

@@ -180,8 +180,11 @@ class EncoderCore:
             except InvalidEmbedding:
                 logger.warning("stored blob %s breaks the contract; re-encoding", key)
         started = time.perf_counter()
-        pixel_values, grid_thw = await asyncio.to_thread(preprocess)
-        embeds = await self.batcher.submit((pixel_values, grid_thw))
+        # Announced before preparing: a burst of calls, each decoding its own image first, then
+        # shares one forward pass instead of the first image going alone.
+        async with self.batcher.reserve() as slot:
+            pixel_values, grid_thw = await asyncio.to_thread(preprocess)
+            embeds = await slot.submit((pixel_values, grid_thw))
         blob = EmbeddingBlob(embeds, grid_thw, self.encoder_id, modality)
         data = await asyncio.to_thread(encode_blob, blob, self.rules)
         await self.store.put(key, data)

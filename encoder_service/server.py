@@ -47,7 +47,13 @@ def build_core(settings: EncoderSettings) -> EncoderCore:
     checkpoint = resolve_checkpoint(settings.checkpoint)
     vision = VisionEncoder.load(str(checkpoint), settings.device, getattr(torch, settings.dtype))
     encoder_id = settings.encoder_id or compute_encoder_id(checkpoint)
-    batcher = MicroBatcher(vision.encode_batch, settings.max_batch_size, settings.batch_wait_ms / 1000, _observe_batch)
+    batcher = MicroBatcher(
+        vision.encode_batch,
+        settings.max_batch_size,
+        settings.batch_wait_ms / 1000,
+        _observe_batch,
+        max_hold_s=settings.batch_hold_ms / 1000,
+    )
     limits = EncoderLimits(
         max_image_bytes=settings.max_image_bytes,
         max_decoded_pixels=settings.max_decoded_pixels,

@@ -46,3 +46,6 @@ class EncoderSettings(StoreSettings, GrpcServerSettings):
     )
     max_batch_size: int = Field(8, ge=1, description="Most images in one vision-tower forward pass.")
     batch_wait_ms: float = Field(5.0, ge=0, description="How long the first image of a batch waits for others.")
+    batch_hold_ms: float = Field(
+        500.0, ge=0, description="Longest a batch waits for images already being decoded by concurrent calls."
+    )

@@ -6,7 +6,6 @@ misbehave on a bad shape (DESIGN.md, Engines).
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -14,11 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from llm_service.blob_cache import BlobCache
+from llm_service.blob_fetch import decode_items_async, fetch_items
 from llm_service.engines.base import Engine, EngineRequest, GenerationDelta
 from llm_service.prompt import ChatTurn, MediaSlot, PromptBuilder
 from llm_service.requests import ChatRequest, MediaInput
-from shared.blob import BlobRules, EmbeddingBlob, decode_blob
-from shared.errors import EmbeddingNotFound, IncompatibleEncoder, InvalidEmbedding, InvalidInput, ModelNotFound, clip
+from shared.blob import BlobRules, EmbeddingBlob
+from shared.errors import IncompatibleEncoder, InvalidEmbedding, InvalidInput, ModelNotFound, clip
 from shared.keys import encoder_id_of_key
 from shared.store import EmbeddingStore
 
@@ -78,7 +78,7 @@ class LLMCore:
         by_key = {key: blob for key in keys if (blob := self.cache.get(key)) is not None}
         await self._fetch_into(by_key, [key for key in keys if key not in by_key])
         inline = [item.blob for item in media if item.key is None]
-        decoded_inline = iter(await asyncio.to_thread(self._decode_many, inline, "inline embedding"))
+        decoded_inline = iter(await decode_items_async(inline, self.rules, "inline embedding"))
         blobs = [by_key[item.key] if item.key is not None else next(decoded_inline) for item in media]
         for index, (item, blob) in enumerate(zip(media, blobs, strict=True)):
             _check_modality(item, blob, index)
@@ -94,24 +94,9 @@ class LLMCore:
 
     async def _fetch_into(self, by_key: dict[str, EmbeddingBlob], keys: list[str]) -> None:
         """Fetches `keys` in one round trip, validates them, and caches them."""
-        stored = await self.store.get_many(keys)
-        missing = [key for key, data in zip(keys, stored, strict=True) if data is None]
-        if missing:
-            raise EmbeddingNotFound(f"no embedding stored under {', '.join(missing)}", keys=missing, param="image.key")
-        for key, blob in zip(keys, await asyncio.to_thread(self._decode_many, stored, "stored embedding"), strict=True):
+        for key, blob in zip(keys, await fetch_items(self.store, keys, self.rules), strict=True):
             self.cache.put(key, blob)
             by_key[key] = blob
-
-    def _decode_many(self, blobs: list[bytes | None], where: str) -> list[EmbeddingBlob]:
-        decoded = []
-        for index, data in enumerate(blobs):
-            blob = decode_blob(data or b"", self.rules, where=f"{where} {index}")
-            if blob.grid_thw.shape[0] != 1:
-                raise InvalidEmbedding(
-                    f"{where} {index} must hold exactly one image or video (grid_thw [1, 3])", param="image"
-                )
-            decoded.append(blob)
-        return decoded
 
 
 def _check_modality(item: MediaInput, blob: EmbeddingBlob, index: int) -> None:

@@ -97,7 +97,9 @@ def test_concurrent_distinct_encodes_share_forward_passes(stack: Stack) -> None:
         return after.images_encoded - before.images_encoded, after.forward_passes - before.forward_passes
 
     encoded, passes = asyncio.run(burst())
-    assert encoded == 6 and passes < 6
+    # Calls reach the encoder over gRPC a few ms apart; each announces its image before decoding it,
+    # so the burst shares a pass or two (tests/test_encoder_batching.py pins the exact batching).
+    assert encoded == 6 and passes <= 2
 
 
 def test_get_embedding_returns_a_valid_blob(stack: Stack) -> None:
