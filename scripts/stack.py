@@ -13,7 +13,6 @@ answers on --redis-url (a loopback URL) and stopped at exit.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import shutil
@@ -81,10 +80,16 @@ def _stop(process: subprocess.Popen[bytes], timeout_s: float = 20) -> None:
             process.wait()
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGKILL it when the thread that started it ends (Linux), so
-    start and restart such children from a thread that lives as long as they should."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+# Starts `python -m <module>` after asking Linux to SIGKILL this process when the thread that
+# started it ends. It runs after exec, in the child's own interpreter: a preexec_fn would run in
+# the forked copy of a multi-threaded parent (gRPC, torch and vLLM threads in a test run), where
+# dlopen or any lock another thread held at fork time can deadlock the child before it execs.
+_TIED_TO_PARENT_BOOT = (
+    "import ctypes, runpy, signal, sys; "
+    f"ctypes.CDLL(None, use_errno=True).prctl({PR_SET_PDEATHSIG}, signal.SIGKILL); "
+    "module = sys.argv.pop(1); "
+    "runpy.run_module(module, run_name='__main__', alter_sys=True)"
+)
 
 
 @dataclass
@@ -107,10 +112,14 @@ class Service:
     def launch(self) -> None:
         log = open(self.log_path, "ab") if self.log_path else None  # the child keeps its own copy
         try:
+            command = (
+                [sys.executable, "-c", _TIED_TO_PARENT_BOOT, self.module]
+                if self.tied_to_parent
+                else [sys.executable, "-m", self.module]
+            )
             self.process = subprocess.Popen(
-                [sys.executable, "-m", self.module], env={**os.environ, **self.env}, cwd=REPO,
-                stdout=log, stderr=subprocess.STDOUT if log else None,
-                preexec_fn=_die_with_parent if self.tied_to_parent else None,
+                command, env={**os.environ, **self.env}, cwd=REPO, stdout=log,
+                stderr=subprocess.STDOUT if log else None,
             )  # fmt: skip
         finally:
             if log:
