@@ -1,7 +1,7 @@
 """Scenario 3, transport: what an LLM service pays to get an image's embeddings.
 
 For blobs of ~0.8, 7.3 and 29 MB (float32, hidden 1536: 130, 1188 and 4720 image tokens), the
-service's own path, `llm_service.blob_fetch.fetch_items` (MGET under a timeout, then `decode_blob`:
+service's own path, `llm_service.blob_fetch.fetch_items` (GET or MGET under a timeout, then `decode_blob`:
 safetensors header parse, zero-copy tensor views of the fetched bytes, invariants, finite check;
 on a worker thread only for large blobs), against a plain GET of the same bytes on the store's own
 redis-py client and connection; and a pod-cache hit. Its parts are timed alone too

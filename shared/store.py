@@ -62,6 +62,8 @@ class EmbeddingStore:
         """Blobs for several keys in one round trip (per cluster slot); None where a key is missing."""
         if not keys:
             return []
+        if len(keys) == 1:  # the common case (one image): GET saves MGET's list handling (~0.01 ms)
+            return [await self._call(self._redis.get(keys[0]))]
         if self.target.topology == "cluster":  # one MGET per hash slot, as a cluster requires
             return await self._call(self._redis.mget_nonatomic(keys))
         return await self._call(self._redis.mget(keys))
