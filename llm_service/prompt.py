@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from shared.blob import Modality
@@ -29,11 +28,6 @@ class MediaSlot:
 class ChatTurn:
     role: str
     parts: list[str | MediaSlot] = field(default_factory=list)
-
-
-def image_token_counts(image_grid_thw: torch.Tensor, merge_size: int) -> list[int]:
-    """Pad tokens per image for a [n, 3] grid: prod(grid_thw) // merge_size**2 each."""
-    return [int(row.prod()) // merge_size**2 for row in image_grid_thw.reshape(-1, 3)]
 
 
 class PromptBuilder:

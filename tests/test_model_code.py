@@ -175,7 +175,7 @@ def test_engine_multi_image_and_text_only_match_full_model(engines, encoder: Vis
             grid = torch.cat([g for _, g in items])
             extra = dict(
                 pixel_values=torch.cat([p for p, _ in items]), image_grid_thw=grid,
-                mm_token_type_ids=(ids == engine.image_token_id).long(),
+                mm_token_type_ids=(ids == engine.shape.image_token_id).long(),
             )  # fmt: skip
         with torch.inference_mode():
             out = full_model.generate(

@@ -224,7 +224,7 @@ async def test_reused_request_id_and_image_uuid(engines: Engines, encoder, image
         outputs = [out async for out in fast.engine.generate(fast.vllm_prompt(request), params, request_id)]
         return outputs[-1].num_cached_tokens or 0, [t for out in outputs for t in out.outputs[0].token_ids]
 
-    pads = [i for i, token in enumerate(second.prompt_token_ids) if token == fast.image_token_id]
+    pads = [i for i, token in enumerate(second.prompt_token_ids) if token == fast.shape.image_token_id]
     # Same uuid, new question: the cached prefix reaches past the image rows.
     cached, tokens = await cached_tokens(second, "same-uuid")
     assert cached > pads[-1]

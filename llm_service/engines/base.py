@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, Qwen2VLConfig
 
 FinishReason = Literal["stop", "length"]
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit, and vLLM's default max_logprobs
@@ -98,6 +98,21 @@ class EngineShape:
     video_token_id: int
     merge_size: int
 
+    @classmethod
+    def of(cls, config: Qwen2VLConfig) -> EngineShape:
+        return cls(
+            config.text_config.vocab_size,
+            config.text_config.hidden_size,
+            config.image_token_id,
+            config.video_token_id,
+            config.vision_config.spatial_merge_size,
+        )
+
+    @property
+    def media_pads(self) -> tuple[tuple[str, int], ...]:
+        """(modality, pad token id): images, then videos (the order of mm_token_type_ids 1 and 2)."""
+        return (("image", self.image_token_id), ("video", self.video_token_id))
+
 
 def validate_request(request: EngineRequest, shape: EngineShape) -> None:
     """Raises ValueError unless the request fits the model. Engines call this first: vLLM crashes
@@ -107,7 +122,7 @@ def validate_request(request: EngineRequest, shape: EngineShape) -> None:
         raise ValueError("prompt is empty")
     if min(ids) < 0 or max(ids) >= shape.vocab_size:
         raise ValueError(f"prompt token ids must be in [0, {shape.vocab_size})")
-    for modality, pad in (("image", shape.image_token_id), ("video", shape.video_token_id)):
+    for modality, pad in shape.media_pads:
         _validate_items(modality, *request.items(modality), shape)
         pads, total = ids.count(pad), sum(e.shape[0] for e in request.items(modality)[0])
         if pads != total:

@@ -141,11 +141,8 @@ class TransformersEngine(Engine):
     def __init__(self, model: Qwen2VLForConditionalGeneration, tokenizer: PreTrainedTokenizerBase) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.hidden_size: int = model.config.text_config.hidden_size
-        self.vocab_size: int = model.config.text_config.vocab_size
-        self.image_token_id: int = model.config.image_token_id
-        self.video_token_id: int = model.config.video_token_id
-        self.merge_size: int = model.config.vision_config.spatial_merge_size
+        self.shape = EngineShape.of(model.config)
+        self.hidden_size: int = self.shape.hidden_size
         self.eos_ids = eos_token_ids(model.generation_config.eos_token_id, tokenizer)
         self.pad_token_id: int = _pad_id(model, tokenizer, self.eos_ids)
         # One worker thread serialises generations without a lock that a cancelled consumer could leak.
@@ -238,7 +235,7 @@ class TransformersEngine(Engine):
         2 video, as the processor makes them) and the grids."""
         token_types = torch.zeros_like(input_ids)
         mm_kwargs: dict[str, torch.Tensor] = {}
-        for type_id, (modality, pad) in enumerate((("image", self.image_token_id), ("video", self.video_token_id)), 1):
+        for type_id, (modality, pad) in enumerate(self.shape.media_pads, 1):
             embeds, grid, _ = request.items(modality)
             if not embeds:
                 continue
@@ -266,10 +263,7 @@ class TransformersEngine(Engine):
         )
 
     def _validate(self, request: EngineRequest) -> None:
-        shape = EngineShape(
-            self.vocab_size, self.hidden_size, self.image_token_id, self.video_token_id, self.merge_size
-        )
-        validate_request(request, shape)
+        validate_request(request, self.shape)
 
 
 def _pad_id(model: Qwen2VLForConditionalGeneration, tokenizer: PreTrainedTokenizerBase, eos_ids: set[int]) -> int:

@@ -51,11 +51,8 @@ class VLLMEngine(Engine):
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
-        self.hidden_size: int = config.text_config.hidden_size
-        self.vocab_size: int = config.text_config.vocab_size
-        self.image_token_id: int = config.image_token_id
-        self.video_token_id: int = config.video_token_id
-        self.merge_size: int = config.vision_config.spatial_merge_size
+        self.shape = EngineShape.of(config)
+        self.hidden_size: int = self.shape.hidden_size
         self.eos_ids = eos_ids
 
     @classmethod
@@ -138,7 +135,7 @@ class VLLMEngine(Engine):
         ids = request.prompt_token_ids
         data: dict[str, dict[str, torch.Tensor]] = {}
         uuids: dict[str, list[str]] = {}
-        for modality, pad in (("image", self.image_token_id), ("video", self.video_token_id)):
+        for modality, pad in self.shape.media_pads:
             embeds, grid, item_uuids = request.items(modality)
             if not embeds:
                 continue
@@ -174,10 +171,7 @@ class VLLMEngine(Engine):
         )
 
     def _validate(self, request: EngineRequest) -> None:
-        shape = EngineShape(
-            self.vocab_size, self.hidden_size, self.image_token_id, self.video_token_id, self.merge_size
-        )
-        validate_request(request, shape)
+        validate_request(request, self.shape)
 
 
 class _DeltaBuilder:
