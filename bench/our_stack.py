@@ -41,7 +41,7 @@ def start_our_stack(
         port = free_port()
         encoder_target = f"127.0.0.1:{port}"
         env = {"ENCODER_CHECKPOINT": str(encoder_checkpoint), "ENCODER_PORT": str(port), "ENCODER_DTYPE": options.dtype,
-               "ENCODER_REDIS_URL": options.redis_url, "ENCODER_LOG_LEVEL": "WARNING", "ENCODER_METRICS_PORT": "0"}  # fmt: skip
+               "ENCODER_REDIS_URL": options.redis_url, "ENCODER_LOG_LEVEL": "INFO", "ENCODER_METRICS_PORT": "0"}  # fmt: skip
         weights = count_weights(encoder_checkpoint).vision_bytes(options.dtype)
         service = group.start(
             "ours-encoder", python_module("encoder_service"), env, weights, f"vision tower, {options.dtype}"

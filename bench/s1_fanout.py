@@ -8,8 +8,11 @@ and on a small machine they would slow each other down.
 
 The issue's limit for this workload is one encode per image plus the baseline's decode work. Both
 are measured here: the encoder encoding 4 fresh images at once, and the baseline answering the
-same 96 requests a second time, when vLLM's caches already hold every image (the hook confirms
-that the second pass encodes nothing).
+same 96 requests a second time with its prefix cache reset: vLLM's encoder cache still holds
+each image's vision-tower output (the hook confirms that pass encodes nothing), so it does all
+of its language-model work, the image tokens' prefill included, and none of its encoding. Ours
+must prefill each image's tokens on each fine-tune too: its KV differs per fine-tune. A third
+pass, every cache warm (image tokens' KV reused), is reported beside it as a stricter yardstick.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from bench.our_stack import StackOptions, start_our_stack
 from bench.outcome import ScenarioResult, Target
 from bench.procs import ServiceGroup
 from bench.stats import ratio
-from bench.vllm_server import encodes_counted, start_vllm_server, wait_vllm_ready
+from bench.vllm_server import encodes_counted, reset_prefix_cache, start_vllm_server, wait_vllm_ready
 from bench.weights import count_weights
 from bench.workload import QUESTIONS, chat_body, image_url_part, make_images
 from scripts.stack import free_port
@@ -35,7 +38,9 @@ IMAGES = 4
 MAX_TOKENS = 16
 WALL_SLACK = 1.10  # "within 10% of" the limit
 Loads = dict[str, tuple[LoadResult, int]]  # row label -> (load, encodes performed)
-BASELINE, BASELINE_WARM, OURS = "baseline vLLM x3", "baseline, caches warm (decode work)", "ours (gateway, encode once)"
+BASELINE, OURS = "baseline vLLM x3", "ours (gateway, encode once)"
+BASELINE_DECODE = "baseline, images encoded, KV recomputed (decode work)"
+BASELINE_WARM = "baseline, every cache warm"
 COLUMNS = ["requests", "errors", "wall s", "encodes", "TTFT p50 s", "TTFT p95 s", "output tok/s", "completion tokens"]
 
 
@@ -73,14 +78,17 @@ def _run_baseline(
             weights = count_weights(checkpoint).total_bytes(stack.dtype)
             service = start_vllm_server(
                 group, f"baseline-vllm-{name}", name, checkpoint, port, stack.dtype, embeds_only=False,
-                weight_bytes=weights, weights=f"vision tower + language model, {stack.dtype}", eager=stack.eager,
+                weight_bytes=weights, weights=f"vision tower + language model, {stack.dtype}", eager=stack.eager, cache_reset=True,
             )  # fmt: skip
             servers[name] = (service, port)
         for service, port in servers.values():
             wait_vllm_ready(service, port, stack.start_timeout_s)
         urls = {name: f"http://127.0.0.1:{port}/v1/chat/completions" for name, (_, port) in servers.items()}
         count_dirs = [group.log_dir / f"baseline-vllm-{name}.encodes" for name in servers]
-        for label in (BASELINE, BASELINE_WARM):
+        for label in (BASELINE, BASELINE_DECODE, BASELINE_WARM):
+            if label == BASELINE_DECODE:
+                for _, port in servers.values():
+                    reset_prefix_cache(port)
             before = sum(encodes_counted(d) for d in count_dirs)  # whatever start-up ran is not counted
             load = asyncio.run(run_concurrent(_requests(urls, images)))
             rows[label] = (load, sum(encodes_counted(d) for d in count_dirs) - before)
@@ -148,18 +156,24 @@ def run(stack: StackOptions, options: FanoutOptions, log_dir: Path, nonce: int) 
 
 
 def _judge(result: ScenarioResult, counters: dict[str, Any]) -> None:
-    cold, warm, ours = (result.rows[label] for label in (BASELINE, BASELINE_WARM, OURS))
-    limit_s = counters["encode_once_s"] + warm["wall s"]
+    cold, decode, warm, ours = (result.rows[label] for label in (BASELINE, BASELINE_DECODE, BASELINE_WARM, OURS))
+    limit_s = counters["encode_once_s"] + decode["wall s"]
+    strict_s = counters["encode_once_s"] + warm["wall s"]
     result.rows[f"limit: encode {IMAGES} images once + baseline decode"] = {"wall s": limit_s, "encodes": IMAGES}
+    result.rows[f"stricter: encode {IMAGES} images once + baseline, every cache warm"] = {"wall s": strict_s}
+    if decode["encodes"]:  # then the decode pass encoded too, and the limit is too lenient
+        result.notes.append(f"the decode-work pass encoded {decode['encodes']} images: vLLM's encoder cache lost them")
     result.ratios.update({
         "wall baseline / ours": ratio(cold["wall s"], ours["wall s"]),
         "encodes baseline / ours": ratio(cold["encodes"], ours["encodes"]),
         "TTFT p50 baseline / ours": ratio(cold["TTFT p50 s"], ours["TTFT p50 s"]),
         "output tok/s ours / baseline": ratio(ours["output tok/s"], cold["output tok/s"]),
         "wall ours / limit": ratio(ours["wall s"], limit_s),
+        "wall ours / stricter (every baseline cache warm)": ratio(ours["wall s"], strict_s),
     })  # fmt: skip
     result.targets += [
         Target(f"encodes performed by ours == distinct images ({IMAGES})", ours["encodes"], "==", IMAGES),
+        Target("encodes in the baseline's decode-work pass", decode["encodes"], "==", 0),
         Target(
             "wall ours / (one encode per image + baseline decode)",
             ratio(ours["wall s"], limit_s),

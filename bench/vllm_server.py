@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.request
 from pathlib import Path
 
 from bench.procs import REPO, Service, ServiceGroup, http_ok, python_module, wait_until
@@ -53,6 +54,7 @@ def start_vllm_server(
     weights: str,
     python: str | None = None,
     eager: bool = False,
+    cache_reset: bool = False,
 ) -> Service:
     """`python -m vllm.entrypoints.openai.api_server` for one checkpoint, served as `served_name`;
     `name` names the service in logs and the memory table.
@@ -60,6 +62,7 @@ def start_vllm_server(
     embeds_only: accept inline `image_embeds` and skip the vision tower (images limited to 0,
     as our LLM service's engine does); otherwise a stock server that encodes `image_url` itself.
     eager: `--enforce-eager`, as our services get LLM_ENFORCE_EAGER (quick runs: no torch.compile).
+    cache_reset: vLLM's development endpoints (VLLM_SERVER_DEV_MODE), for reset_prefix_cache().
     """
     argv = [
         *python_module("vllm.entrypoints.openai.api_server", python),
@@ -72,8 +75,19 @@ def start_vllm_server(
     if eager:
         argv.append("--enforce-eager")
     env = vllm_env(group.log_dir / f"{name}.encodes")
+    if cache_reset:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     return group.start(name, argv, env, weight_bytes, weights)
 
 
 def wait_vllm_ready(service: Service, port: int, timeout_s: float) -> None:
     wait_until(service, http_ok(f"http://127.0.0.1:{port}/health"), timeout_s)
+
+
+def reset_prefix_cache(port: int) -> None:
+    """Drops the server's cached KV blocks (prefix cache); its encoder cache keeps the images'
+    vision-tower outputs. Needs a server started with cache_reset=True."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/reset_prefix_cache", method="POST")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        if not json.loads(response.read()).get("success"):
+            raise RuntimeError(f"vLLM on port {port} refused to reset its prefix cache")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -20,6 +22,7 @@ from shared.model_paths import resolve_checkpoint
 from shared.pb.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from shared.store import EmbeddingStore
 
+logger = logging.getLogger(__name__)
 SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name
 
 
@@ -46,6 +49,10 @@ def _observe_batch(batch_size: int, queue_depth: int) -> None:
 def build_core(settings: EncoderSettings) -> EncoderCore:
     checkpoint = resolve_checkpoint(settings.checkpoint)
     vision = VisionEncoder.load(str(checkpoint), settings.device, getattr(torch, settings.dtype))
+    if settings.warmup_pixels:
+        started = time.perf_counter()
+        vision.warm_up(settings.warmup_pixels)
+        logger.info("warm-up forward pass took %.2fs", time.perf_counter() - started)
     encoder_id = settings.encoder_id or compute_encoder_id(checkpoint)
     batcher = MicroBatcher(
         vision.encode_batch,

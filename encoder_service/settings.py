@@ -46,6 +46,12 @@ class EncoderSettings(StoreSettings, GrpcServerSettings):
     )
     max_batch_size: int = Field(8, ge=1, description="Most images in one vision-tower forward pass.")
     batch_wait_ms: float = Field(5.0, ge=0, description="How long the first image of a batch waits for others.")
+    warmup_pixels: int = Field(
+        448 * 448,
+        ge=0,
+        description="Pixels of a synthetic image encoded once before serving, so the first requests do not pay "
+        "the forward pass's one-time set-up; capped at the processor's max_pixels; 0 = no warm-up.",
+    )
     batch_hold_ms: float = Field(
         500.0, ge=0, description="Longest a batch waits for images already being decoded by concurrent calls."
     )

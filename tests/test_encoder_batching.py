@@ -19,9 +19,12 @@ from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionCon
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from encoder_service.batcher import MicroBatcher
+from encoder_service.server import build_core
+from encoder_service.settings import EncoderSettings
 from encoder_service.video import VIDEO_MIN_PIXELS, preprocess_video
 from encoder_service.vision import Preprocessed, VisionEncoder
 from shared.bench_checkpoint import BENCH_VISION
+from tests.harness import RedisServer
 from tests.model_fixtures import make_image
 
 # (width, height): grids of different sizes and aspect ratios, from 4x4 patches to the 16x16 maximum.
@@ -231,3 +234,50 @@ async def test_withdrawn_reservation_releases_the_batch(encoders: dict[str, Visi
     finally:
         await batcher.aclose()
     assert counting.passes == [1] and waited < 5
+
+
+def _forward_grids(encoder: VisionEncoder) -> tuple[list[list[int]], torch.utils.hooks.RemovableHandle]:
+    """Records the grid of every forward pass the real tower runs."""
+    grids: list[list[int]] = []
+    handle = encoder.tower.register_forward_pre_hook(
+        lambda _module, args, kwargs: grids.append(kwargs["grid_thw"].tolist()), with_kwargs=True
+    )
+    return grids, handle
+
+
+def test_warm_up_runs_one_forward_pass_capped_at_max_pixels(checkpoints: dict[str, Path]) -> None:
+    encoder = VisionEncoder.load(str(checkpoints["base"]))
+    grids, handle = _forward_grids(encoder)
+    try:
+        encoder.warm_up(10**9)  # far above the processor's max_pixels
+        encoder.warm_up(56 * 56)
+    finally:
+        handle.remove()
+    patch = encoder.processor.patch_size
+    assert len(grids) == 2
+    ((t, h, w),) = grids[0]
+    assert t == 1 and h * w * patch**2 <= encoder.default_max_pixels
+    assert grids[1] == [[1, 4, 4]]  # 56x56 pixels = 4x4 patches of 14
+
+
+def test_build_core_warms_up_before_serving_unless_disabled(
+    checkpoints: dict[str, Path], live_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    passes: list[int] = []
+    original = VisionEncoder.warm_up
+
+    def recorded(self: VisionEncoder, pixels: int) -> None:
+        passes.append(pixels)
+        original(self, pixels)
+
+    monkeypatch.setattr(VisionEncoder, "warm_up", recorded)
+    for warmup_pixels, expected in ((0, []), (64 * 64, [64 * 64])):
+        passes.clear()
+        settings = EncoderSettings(
+            checkpoint=str(checkpoints["base"]), redis_url=live_redis.url, warmup_pixels=warmup_pixels
+        )
+        core = build_core(settings)
+        assert passes == expected
+        # The warm-up is no request: no batch, no image counted.
+        assert core.batcher.batches_run == 0 and core.counters.images_encoded == 0
+    assert EncoderSettings(checkpoint="x").warmup_pixels == 448 * 448  # on by default
