@@ -105,3 +105,20 @@ def test_one_non_finite_value_is_refused_on_read_and_huge_finite_values_are_not(
         embeds[5, 7] = bad
         with pytest.raises(InvalidEmbedding, match="NaN or infinite"):
             decode_blob(serialize_unvalidated(EmbeddingBlob(embeds, grid, "enc-a")), RULES)
+
+
+def test_blobs_sharing_a_header_each_decode_their_own_values() -> None:
+    # Blobs of one shape share their header byte for byte, and decode_blob parses a header once.
+    tensors, payload = _good_parts()
+    first = decode_blob(_raw(tensors, payload), RULES)
+    other_values = torch.full((6, 8), -2.5).numpy().tobytes() + payload[192:]
+    second = decode_blob(_raw(tensors, other_values), RULES)
+    assert torch.equal(first.embeds, torch.arange(48, dtype=torch.float32).reshape(6, 8))
+    assert torch.equal(second.embeds, torch.full((6, 8), -2.5))
+    # The same header over data of another length is checked again, not taken from the cache.
+    with pytest.raises(InvalidEmbedding, match="tensors cover 216 bytes of 220"):
+        decode_blob(_raw(tensors, payload + b"\0" * 4), RULES)
+    # And a header too large to keep is still parsed and checked.
+    with pytest.raises(InvalidEmbedding, match="tensors cover 216 bytes of 220"):
+        decode_blob(_raw(tensors, payload + b"\0" * 4, pad=8192), RULES)
+    assert torch.equal(decode_blob(_raw(tensors, payload, pad=8192), RULES).embeds, first.embeds)
