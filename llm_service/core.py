@@ -6,9 +6,10 @@ misbehave on a bad shape (DESIGN.md, Engines).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +33,8 @@ class LLMCore:
     rules: BlobRules
     max_images: int
     cache: BlobCache
+    # Blob fetches under way, by key; None when one failed (its waiters then fetch on their own).
+    _fetching: dict[str, asyncio.Future[EmbeddingBlob | None]] = field(default_factory=dict, init=False)
 
     async def generate(self, request: ChatRequest) -> AsyncIterator[GenerationDelta]:
         """Streams the engine's deltas for a validated request."""
@@ -93,10 +96,35 @@ class LLMCore:
             )
 
     async def _fetch_into(self, by_key: dict[str, EmbeddingBlob], keys: list[str]) -> None:
-        """Fetches `keys` in one round trip, validates them, and caches them."""
-        for key, blob in zip(keys, await fetch_items(self.store, keys, self.rules), strict=True):
-            self.cache.put(key, blob)
+        """Fetches `keys` in one round trip, validates and caches them. A key that another request
+        is fetching already is awaited, not fetched again: a burst of questions on a new image
+        costs one GET per pod, not one per question."""
+        joined = {key: self._fetching[key] for key in keys if key in self._fetching}
+        if own := [key for key in keys if key not in joined]:
+            await self._fetch_own(by_key, own)
+        for key, pending in joined.items():
+            # Shielded: this request going away must not cancel the fetch others wait on.
+            blob = await asyncio.shield(pending)
+            if blob is None:  # that fetch failed or was cancelled: fetch (and report errors) alone
+                (blob,) = await fetch_items(self.store, [key], self.rules)
+                self.cache.put(key, blob)
             by_key[key] = blob
+
+    async def _fetch_own(self, by_key: dict[str, EmbeddingBlob], keys: list[str]) -> None:
+        loop = asyncio.get_running_loop()
+        futures: dict[str, asyncio.Future[EmbeddingBlob | None]] = {key: loop.create_future() for key in keys}
+        self._fetching.update(futures)
+        try:
+            for key, blob in zip(keys, await fetch_items(self.store, keys, self.rules), strict=True):
+                self.cache.put(key, blob)
+                by_key[key] = blob
+                futures[key].set_result(blob)
+        finally:
+            for key, future in futures.items():
+                if not future.done():
+                    future.set_result(None)
+                if self._fetching.get(key) is future:
+                    del self._fetching[key]
 
 
 def _check_modality(item: MediaInput, blob: EmbeddingBlob, index: int) -> None:

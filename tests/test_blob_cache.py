@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 
 from llm_service.blob_cache import BlobCache, blob_bytes
 from shared.blob import EmbeddingBlob
-from shared.sdk import EncoderClient, ImageKey, LLMClient, Message, Sampling
+from shared.errors import EmbeddingNotFound
+from shared.keys import embedding_key
+from shared.sdk import AsyncLLMClient, EncoderClient, ImageKey, LLMClient, Message, Sampling
 from tests.harness import Stack
 from tests.images import png_bytes
 
@@ -47,3 +51,45 @@ def test_many_questions_on_one_image_cost_one_redis_get_per_pod(stack: Stack) ->
         for question in ("one?", "two?", "three?"):
             list(llm.generate("ft-a", [Message("user", [ImageKey(key), question])], Sampling(max_tokens=2)))
     assert _blob_reads(stack) - before == 1
+
+
+def test_concurrent_questions_on_a_new_image_share_one_redis_get(stack: Stack) -> None:
+    with EncoderClient(stack.encoder_target) as encoder:
+        key = encoder.encode(image_bytes=png_bytes(202)).key
+
+    async def ask_all() -> list[str]:
+        async with AsyncLLMClient(stack.llm_target("ft-a")) as llm:
+
+            async def ask(question: str) -> str:
+                messages = [Message("user", [ImageKey(key), question])]
+                return "".join([d.text async for d in llm.generate("ft-a", messages, Sampling(max_tokens=2))])
+
+            return await asyncio.gather(*(ask(f"question {i}?") for i in range(8)))
+
+    before = _blob_reads(stack)
+    # Redis holds every command for 300 ms, so all 8 requests reach the service while the first
+    # GET is still waiting: without sharing it, each would send its own.
+    stack.redis.client().execute_command("CLIENT", "PAUSE", 300, "ALL")
+    answers = asyncio.run(ask_all())
+    assert len(answers) == 8
+    assert _blob_reads(stack) - before == 1
+
+
+def test_concurrent_questions_on_a_missing_key_each_get_not_found(stack: Stack) -> None:
+    with EncoderClient(stack.encoder_target) as encoder:
+        key = embedding_key(encoder.stats().encoder_id, b"never stored (concurrent)", 1, 2)
+
+    async def ask(llm: AsyncLLMClient) -> BaseException | str:
+        messages = [Message("user", [ImageKey(key), "hi"])]
+        try:
+            return "".join([d.text async for d in llm.generate("ft-a", messages, Sampling(max_tokens=2))])
+        except EmbeddingNotFound as error:
+            return error
+
+    async def ask_all() -> list[BaseException | str]:
+        async with AsyncLLMClient(stack.llm_target("ft-a")) as llm:
+            return await asyncio.gather(*(ask(llm) for _ in range(4)))
+
+    stack.redis.client().execute_command("CLIENT", "PAUSE", 200, "ALL")  # all 4 join the first fetch
+    outcomes = asyncio.run(ask_all())
+    assert all(isinstance(o, EmbeddingNotFound) and o.keys == [key] for o in outcomes), outcomes
