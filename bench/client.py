@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +45,10 @@ class LoadResult:
         return sum(t.completion_tokens for t in self.ok)
 
     def summary(self) -> dict[str, float]:
-        ttfts, latencies = [t.ttft_s for t in self.ok], [t.latency_s for t in self.ok]
+        # A stream whose tokens never formed a whole character sends no text (vLLM drops an
+        # incomplete UTF-8 tail), so it has no first-text time; percentiles skip it.
+        ttfts = [t.ttft_s for t in self.ok if not math.isnan(t.ttft_s)]
+        latencies = [t.latency_s for t in self.ok]
         return {
             "requests": len(self.timings),
             "errors": len(self.errors),
