@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from encoder_service.allocator import retain_freed_memory
 from encoder_service.server import start_encoder_server
 from encoder_service.settings import EncoderSettings
 from shared.grpc_metrics import serve_metrics
@@ -15,6 +16,8 @@ from shared.request_context import configure_logging
 async def main() -> None:
     settings = EncoderSettings()
     configure_logging("encoder", settings.log_level, settings.json_logs)
+    if settings.retain_freed_memory and retain_freed_memory():
+        logging.getLogger(__name__).info("allocator keeps freed memory (no mmap for large blocks, no trimming)")
     serve_metrics(settings.metrics_port)
     server = await start_encoder_server(settings)
     logging.getLogger(__name__).info("encoder %s ready on port %d", server.core.encoder_id, server.port)

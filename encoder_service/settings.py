@@ -46,6 +46,11 @@ class EncoderSettings(StoreSettings, GrpcServerSettings):
     )
     max_batch_size: int = Field(8, ge=1, description="Most images in one vision-tower forward pass.")
     batch_wait_ms: float = Field(5.0, ge=0, description="How long the first image of a batch waits for others.")
+    retain_freed_memory: bool = Field(
+        True,
+        description="Keep memory the vision tower frees in the process (glibc: no mmap for large blocks, no "
+        "trimming) instead of page-faulting it back on every forward pass; the process keeps its peak heap.",
+    )
     warmup_pixels: int = Field(
         448 * 448,
         ge=0,
