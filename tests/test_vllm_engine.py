@@ -19,7 +19,7 @@ from encoder_service.video import preprocess_video  # noqa: E402
 from encoder_service.vision import VisionEncoder  # noqa: E402
 from llm_service.engines.base import EngineRequest, GenerationDelta, SamplingParams  # noqa: E402
 from llm_service.engines.transformers_engine import TransformersEngine  # noqa: E402
-from llm_service.engines.vllm_engine import VLLMEngine  # noqa: E402
+from llm_service.engines.vllm_engine import VLLMEngine, _concat_rows  # noqa: E402
 from llm_service.prompt import ChatTurn, MediaSlot, PromptBuilder  # noqa: E402
 from tests.model_fixtures import make_image  # noqa: E402
 from tests.reference import reference_greedy_tokens  # noqa: E402
@@ -277,3 +277,15 @@ async def test_logprobs_and_penalties_match_transformers(engines: Engines, encod
     # Greedy without penalties picks the raw argmax; with them it must sometimes pick another token.
     assert all(e.token_id == e.top[0][0] for e in _logprobs(runs["plain"]))
     assert any(e.token_id != e.top[0][0] for e in _logprobs(runs["penalized"]))
+
+
+@pytest.mark.parametrize(
+    "dtypes", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.float32, torch.bfloat16)]
+)
+def test_embeddings_handed_to_vllm_are_a_copy_equal_to_torch_cat(dtypes: tuple[torch.dtype, torch.dtype]) -> None:
+    # vLLM gets a copy (made off torch's thread pool): the pod cache's tensors are never exposed.
+    first, second = torch.randn(3, 8).to(dtypes[0]), torch.randn(5, 8).to(dtypes[1])
+    joined = _concat_rows([first, second])
+    assert joined.dtype == torch.cat([first, second]).dtype and torch.equal(joined, torch.cat([first, second]))
+    joined.zero_()
+    assert first.abs().sum() > 0 and second.abs().sum() > 0
