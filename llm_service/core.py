@@ -105,12 +105,13 @@ class LLMCore:
         for key, pending in joined.items():
             # Shielded: this request going away must not cancel the fetch others wait on.
             blob = await asyncio.shield(pending)
-            if blob is None:  # that fetch failed or was cancelled: fetch (and report errors) alone
-                (blob,) = await fetch_items(self.store, [key], self.rules)
-                self.cache.put(key, blob)
-            by_key[key] = blob
+            if blob is None:  # that fetch failed or was cancelled: fetch (and report errors) anew
+                await self._fetch_own(by_key, [key])
+            else:
+                by_key[key] = blob
 
     async def _fetch_own(self, by_key: dict[str, EmbeddingBlob], keys: list[str]) -> None:
+        """Fetches `keys` in one round trip, letting concurrent requests for them wait on it."""
         loop = asyncio.get_running_loop()
         futures: dict[str, asyncio.Future[EmbeddingBlob | None]] = {key: loop.create_future() for key in keys}
         self._fetching.update(futures)
