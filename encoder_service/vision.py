@@ -111,9 +111,9 @@ class VisionEncoder:
 
     def warm_up(self, pixels: int) -> None:
         """Encodes one synthetic image of about `pixels` (capped at the default max_pixels), result
-        dropped. The first forward pass pays one-time set-up (kernel selection and JIT, first-touch
-        memory): measured on 2 CPU cores with the 2B-shaped tower, a fresh encoder's first burst
-        of 4 images took 1.2-2.6 CPU-seconds more than the next; paid here, before serving."""
+        dropped, so the first requests do not pay a fresh process's slower first pass: measured on
+        2 CPU cores with the 2B-shaped tower, a fresh encoder's first burst of 4 images took
+        1.1-2.6 CPU-seconds more than its next."""
         side = max(1, math.isqrt(min(pixels, self.default_max_pixels)))
         image = Image.new("RGB", (side, side), (127, 127, 127))
         self.encode_batch([self.preprocess(image)])
