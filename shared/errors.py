@@ -55,6 +55,20 @@ class InvalidEmbedding(InvalidInput):
     code = "invalid_embedding"
 
 
+class ContextLengthExceeded(InvalidInput):
+    """The prompt (text plus image and video tokens) does not fit the model's context."""
+
+    code = "context_length_exceeded"
+
+
+class ImageFetchFailed(InvalidInput):
+    """An image URL could not be fetched (refused, unreachable, timed out, bad status): the
+    client's URL is at fault, as OpenAI answers it (400). Never retried: a retry would hold
+    a worker for another full fetch deadline."""
+
+    code = "invalid_image_url"
+
+
 class NotFound(ServiceError):
     kind = ErrorKind(grpc.StatusCode.NOT_FOUND, 404, "not_found_error")
     code = "not_found"
@@ -119,6 +133,8 @@ class Internal(ServiceError):
 # else to the last (most general) class listed for that status.
 ERROR_CLASSES: tuple[type[ServiceError], ...] = (
     InvalidEmbedding,
+    ContextLengthExceeded,
+    ImageFetchFailed,
     InvalidInput,
     ModelNotFound,
     EmbeddingNotFound,
