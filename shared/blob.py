@@ -178,8 +178,10 @@ def _parse_header(header: bytes, data_len: int) -> tuple[dict[str, Any], dict[st
 def _parse_header_uncached(header: bytes, data_len: int) -> tuple[dict[str, Any], dict[str, _Layout]]:
     try:
         parsed = json.loads(header)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except json.JSONDecodeError as error:
         raise ValueError(f"bad header: {error.msg}") from None
+    except UnicodeDecodeError:
+        raise ValueError("bad header: not UTF-8") from None
     parsed = parsed if isinstance(parsed, dict) else {}
     metadata = parsed.get("__metadata__")
     return (metadata if isinstance(metadata, dict) else {}), _tensor_layout(parsed, data_len)
