@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # (tests/cpu_env); VLLM=none leaves vLLM out (the transformers engine is used).
 VLLM ?= cpu
 
-.PHONY: venv test demo serve bench bench-quick protos checkpoints clean
+.PHONY: venv test demo serve drill bench bench-quick protos checkpoints clean
 
 venv: $(STAMP)
 
@@ -43,6 +43,12 @@ demo: venv
 
 serve: venv
 	$(PY) scripts/stack.py serve
+
+# The fault drill (scripts/drill.py): 64 streaming clients for 60 s through Redis restarts, a killed
+# LLM service and a killed vLLM EngineCore; prints every outcome and the recovery times.
+DRILL_ARGS ?= --clients 64 --duration-s 60
+drill: venv
+	$(PY) scripts/drill.py $(DRILL_ARGS)
 
 protos: venv
 	$(PY) scripts/gen_protos.py

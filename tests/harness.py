@@ -5,17 +5,13 @@ synchronous tests can use the official openai client, httpx and the sync SDK."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 import socket
-import subprocess
 import threading
-import time
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import redis
 import uvicorn
 from fastapi import FastAPI
 
@@ -25,68 +21,13 @@ from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from llm_service.server import LLMServer, start_llm_server
 from llm_service.settings import LLMSettings
+from scripts.redis_process import RedisServer, free_port  # noqa: F401  (re-exported for tests)
 
 T = TypeVar("T")
 # ft-a decodes with vLLM where it is installed (the production engine), ft-b with the
 # transformers reference engine, so every end-to-end test covers both engines.
 ENGINES = {"ft-a": "auto", "ft-b": "transformers"}
 VLLM_LIMITS = {"max_model_len": 2048, "kv_cache_gib": 1.0}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class RedisServer:
-    """A real redis-server we own, so tests can stop and restart it."""
-
-    workdir: Path
-    port: int = field(default_factory=free_port)
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-        args = [
-            binary,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(self.workdir),
-        ]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                if client.ping():
-                    return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(timeout=10)
-            self.process = None
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port)
 
 
 class BackgroundLoop:
@@ -153,7 +94,9 @@ async def start_stack(checkpoints: dict[str, Path], redis_server: RedisServer, m
     )
     llms = {}
     for name in models:
-        settings = LLMSettings(checkpoint=str(checkpoints[name]), model_name=name, engine=ENGINES[name], **VLLM_LIMITS, **common)
+        settings = LLMSettings(
+            checkpoint=str(checkpoints[name]), model_name=name, engine=ENGINES[name], **VLLM_LIMITS, **common
+        )
         llms[name] = await start_llm_server(settings)
     app = create_app(gateway_settings_for(encoder, llms))
     uvicorn_server, port = await start_gateway(app)
