@@ -9,11 +9,26 @@ from __future__ import annotations
 
 import hashlib
 import re
+from dataclasses import dataclass
 
 from shared.errors import InvalidInput, clip
 
 KEY_PREFIX = "emb:v1:"
-_KEY_PATTERN = re.compile(r"^emb:v1:(?P<encoder_id>[A-Za-z0-9._-]{1,128}):(?P<digest>[0-9a-f]{64})$")
+MAX_ENCODER_ID_CHARS = 128
+DIGEST_HEX_CHARS = 64  # sha256, lowercase hex
+# The longest well-formed key; anything longer is refused before the pattern runs over it.
+MAX_KEY_CHARS = len(KEY_PREFIX) + MAX_ENCODER_ID_CHARS + 1 + DIGEST_HEX_CHARS
+_KEY_PATTERN = re.compile(
+    rf"emb:v1:(?P<encoder_id>[A-Za-z0-9._-]{{1,{MAX_ENCODER_ID_CHARS}}}):(?P<digest>[0-9a-f]{{{DIGEST_HEX_CHARS}}})"
+)
+
+
+@dataclass(frozen=True)
+class ParsedKey:
+    """The parts of a well-formed key."""
+
+    encoder_id: str
+    digest: str
 
 
 def embedding_key(encoder_id: str, image_bytes: bytes, min_pixels: int, max_pixels: int) -> str:
@@ -42,11 +57,19 @@ def video_key(encoder_id: str, frames: list[bytes], min_pixels: int, max_pixels:
     return f"{KEY_PREFIX}{encoder_id}:{digest.hexdigest()}"
 
 
-def encoder_id_of_key(key: str, param: str = "key") -> str:
-    """The encoder id inside a key; InvalidInput when the key is malformed."""
-    match = _KEY_PATTERN.match(key)
+def parse_key(key: str, param: str = "key") -> ParsedKey:
+    """The one check of a client-supplied key, made before it reaches Redis; InvalidInput when malformed.
+
+    fullmatch, not match with `$`: `$` also matches before a trailing newline.
+    """
+    match = _KEY_PATTERN.fullmatch(key) if len(key) <= MAX_KEY_CHARS else None
     if match is None:
         raise InvalidInput(
-            f"{clip(key)!r} is not an embedding key (expected emb:v1:<encoder_id>:<sha256>)", param=param
+            f"{clip(key)!r} is not an embedding key (expected emb:v1:<encoder_id>:<64 lowercase hex>)", param=param
         )
-    return match.group("encoder_id")
+    return ParsedKey(match.group("encoder_id"), match.group("digest"))
+
+
+def encoder_id_of_key(key: str, param: str = "key") -> str:
+    """The encoder id inside a key; InvalidInput when the key is malformed (see parse_key)."""
+    return parse_key(key, param).encoder_id
