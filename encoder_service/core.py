@@ -14,14 +14,15 @@ from dataclasses import dataclass, field
 import torch
 
 from encoder_service import metrics
-from encoder_service.batcher import MicroBatcher
+from encoder_service.batcher import LanedBatcher, MicroBatcher
 from encoder_service.fetch import FetchPolicy, fetch_image
 from encoder_service.images import decode_data_url, load_image
-from encoder_service.video import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, preprocess_video
+from encoder_service.resize import PixelPolicy
+from encoder_service.video import preprocess_video
 from encoder_service.vision import Preprocessed, VisionEncoder
 from shared.blob import BlobRules, EmbeddingBlob, Modality, decode_blob, encode_blob
-from shared.errors import EmbeddingNotFound, InvalidEmbedding, InvalidInput, TooLarge
-from shared.keys import embedding_key, video_key
+from shared.errors import EmbeddingNotFound, IncompatibleEncoder, InvalidEmbedding, InvalidInput, TooLarge, clip
+from shared.keys import embedding_key, parse_key, video_key
 from shared.store import EmbeddingStore
 
 logger = logging.getLogger(__name__)
@@ -55,11 +56,10 @@ class EncoderCounters:
 class EncoderLimits:
     max_image_bytes: int
     max_decoded_pixels: int
-    max_pixels_limit: int
     fetch: FetchPolicy
+    image_pixels: PixelPolicy
+    video_pixels: PixelPolicy  # per frame
     max_video_frames: int = 64
-    video_min_pixels: int = VIDEO_MIN_PIXELS
-    video_max_pixels: int = VIDEO_MAX_PIXELS
 
 
 @dataclass
@@ -68,7 +68,7 @@ class EncoderCore:
     encoder_id: str
     store: EmbeddingStore
     limits: EncoderLimits
-    batcher: MicroBatcher[tuple[torch.Tensor, torch.Tensor], torch.Tensor]
+    batcher: LanedBatcher[Preprocessed, torch.Tensor] | MicroBatcher[Preprocessed, torch.Tensor]
     counters: EncoderCounters = field(default_factory=EncoderCounters)
     _in_flight: dict[str, asyncio.Task[EncodeResult]] = field(default_factory=dict)
 
@@ -79,7 +79,7 @@ class EncoderCore:
     async def encode(self, source: ImageSource, min_pixels: int = 0, max_pixels: int = 0) -> EncodeResult:
         """Key of the image's stored embeddings, encoding only when Redis lacks it."""
         image_bytes = await self._image_bytes(source)
-        min_px, max_px = self._pixel_bounds(min_pixels, max_pixels)
+        min_px, max_px = self.limits.image_pixels.bounds(min_pixels, max_pixels)
         key = embedding_key(self.encoder_id, image_bytes, min_px, max_px)
 
         def preprocess() -> Preprocessed:
@@ -99,9 +99,7 @@ class EncoderCore:
         frame_bytes = await asyncio.gather(
             *(self._image_bytes(frame, f"frames[{i}]") for i, frame in enumerate(frames))
         )
-        min_px, max_px = self._pixel_bounds(
-            min_pixels, max_pixels, self.limits.video_min_pixels, self.limits.video_max_pixels
-        )
+        min_px, max_px = self.limits.video_pixels.bounds(min_pixels, max_pixels)
         key = video_key(self.encoder_id, frame_bytes, min_px, max_px)
 
         def preprocess() -> Preprocessed:
@@ -130,9 +128,21 @@ class EncoderCore:
         return await asyncio.shield(task)
 
     async def get_blob(self, key: str) -> bytes:
+        """The blob stored under `key`, only if it is an embedding this encoder made and would accept.
+
+        Redis holds more than embeddings: a key is checked before Redis is asked, so no other value
+        can be read through this call. Another encoder's key is IncompatibleEncoder (as the LLM
+        service answers it), not NotFound: it says what to fix, and a retry here could never find it.
+        """
+        encoder_id = parse_key(key, param="key").encoder_id
+        if encoder_id != self.encoder_id:
+            raise IncompatibleEncoder(
+                f"key was made by encoder {clip(encoder_id)!r}; this encoder is {self.encoder_id!r}", param="key"
+            )
         (data,) = await self.store.get_many([key])
         if data is None:
             raise EmbeddingNotFound(f"no embedding stored under {key!r}", keys=[key], param="key")
+        await asyncio.to_thread(decode_blob, data, self.rules, key)
         return data
 
     async def _image_bytes(self, source: ImageSource, frame: str | None = None) -> bytes:
@@ -150,22 +160,6 @@ class EncoderCore:
                 f"image is {len(data)} bytes, over the limit of {self.limits.max_image_bytes}", param=frame or "image"
             )
         return data
-
-    def _pixel_bounds(
-        self, min_pixels: int, max_pixels: int, default_min: int | None = None, default_max: int | None = None
-    ) -> tuple[int, int]:
-        max_px = max_pixels or default_max or self.vision.default_max_pixels
-        # A caller who lowers only max_pixels gets a default minimum that fits under it.
-        min_px = min_pixels or min(default_min or self.vision.default_min_pixels, max_px)
-        if min_pixels < 0 or max_pixels < 0:
-            raise InvalidInput("min_pixels and max_pixels must not be negative", param="min_pixels")
-        if max_px > self.limits.max_pixels_limit:
-            raise InvalidInput(
-                f"max_pixels {max_px} exceeds the limit of {self.limits.max_pixels_limit}", param="max_pixels"
-            )
-        if min_px > max_px:
-            raise InvalidInput(f"min_pixels {min_px} is greater than max_pixels {max_px}", param="min_pixels")
-        return min_px, max_px
 
     async def _encode_or_reuse(
         self, key: str, modality: Modality, preprocess: Callable[[], Preprocessed]

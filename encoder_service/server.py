@@ -10,12 +10,13 @@ import grpc
 import torch
 
 from encoder_service import metrics
-from encoder_service.batcher import MicroBatcher
+from encoder_service.batcher import LanedBatcher
 from encoder_service.core import EncoderCore, EncoderLimits
 from encoder_service.fetch import FetchPolicy
+from encoder_service.resize import PixelPolicy
 from encoder_service.servicer import EncoderServicer
 from encoder_service.settings import EncoderSettings
-from encoder_service.vision import VisionEncoder
+from encoder_service.vision import Preprocessed, VisionEncoder
 from shared.checkpoints import compute_encoder_id
 from shared.grpc_server import RunningServer, start_server
 from shared.model_paths import resolve_checkpoint
@@ -54,20 +55,43 @@ def build_core(settings: EncoderSettings) -> EncoderCore:
         vision.warm_up(settings.warmup_pixels)
         logger.info("warm-up forward pass took %.2fs", time.perf_counter() - started)
     encoder_id = settings.encoder_id or compute_encoder_id(checkpoint)
-    batcher = MicroBatcher(
+    store = EmbeddingStore(settings.store_config())
+    return EncoderCore(vision, encoder_id, store, _limits(settings, vision), _batcher(settings, vision))
+
+
+def _batcher(settings: EncoderSettings, vision: VisionEncoder) -> LanedBatcher[Preprocessed, torch.Tensor]:
+    # One image at the processor's own max_pixels is the largest a default request makes; anything
+    # costlier (a raised limit, a long video) takes the large lane (see batcher.py).
+    default_patches = vision.default_max_pixels // vision.patch_pixels
+    return LanedBatcher(
         vision.encode_batch,
-        settings.max_batch_size,
-        settings.batch_wait_ms / 1000,
-        _observe_batch,
+        cost=lambda item: int(item[0].shape[0]),  # patch rows of pixel_values
+        large_cost=default_patches,
+        max_batch_size=settings.max_batch_size,
+        max_wait_s=settings.batch_wait_ms / 1000,
+        on_batch=_observe_batch,
         max_hold_s=settings.batch_hold_ms / 1000,
+        max_batch_cost=settings.max_batch_size * default_patches,
     )
-    limits = EncoderLimits(
+
+
+def _limits(settings: EncoderSettings, vision: VisionEncoder) -> EncoderLimits:
+    return EncoderLimits(
         max_image_bytes=settings.max_image_bytes,
         max_decoded_pixels=settings.max_decoded_pixels,
-        max_pixels_limit=settings.max_pixels_limit,
         max_video_frames=settings.max_video_frames,
-        video_min_pixels=settings.video_min_pixels,
-        video_max_pixels=settings.video_max_pixels,
+        image_pixels=PixelPolicy(
+            vision.default_min_pixels,
+            vision.default_max_pixels,
+            settings.max_pixels_limit or vision.default_max_pixels,
+            vision.resize_factor,
+        ),
+        video_pixels=PixelPolicy(
+            settings.video_min_pixels,
+            settings.video_max_pixels,
+            settings.video_max_pixels_limit or settings.video_max_pixels,
+            vision.resize_factor,
+        ),
         fetch=FetchPolicy(
             settings.fetch_timeout_s,
             settings.max_image_bytes,
@@ -76,7 +100,6 @@ def build_core(settings: EncoderSettings) -> EncoderCore:
             tuple(d.lower().strip(".") for d in settings.url_allowed_domains),
         ),
     )
-    return EncoderCore(vision, encoder_id, EmbeddingStore(settings.store_config()), limits, batcher)
 
 
 async def start_encoder_server(settings: EncoderSettings, core: EncoderCore | None = None) -> EncoderServer:

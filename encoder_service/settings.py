@@ -27,7 +27,12 @@ class EncoderSettings(StoreSettings, GrpcServerSettings):
     max_decoded_pixels: int = Field(
         64_000_000, gt=0, description="Largest width*height decoded; refuses decompression bombs."
     )
-    max_pixels_limit: int = Field(16_777_216, gt=0, description="Highest max_pixels a request may ask for.")
+    max_pixels_limit: int | None = Field(
+        None,
+        gt=0,
+        description="Highest max_pixels (or min_pixels) a request may ask for; unset = the checkpoint image "
+        "processor's max_pixels, so clients may lower an image's resolution but not raise it.",
+    )
     fetch_timeout_s: float = Field(10.0, gt=0, description="Timeout for fetching an http(s) image URL.")
     allow_private_urls: bool = Field(
         False, description="Allow fetching from private, loopback and link-local addresses."
@@ -43,6 +48,12 @@ class EncoderSettings(StoreSettings, GrpcServerSettings):
     )
     video_max_pixels: int = Field(
         768 * 28 * 28, gt=0, description="Default upper bound on a video frame's resized pixel count."
+    )
+    video_max_pixels_limit: int | None = Field(
+        None,
+        gt=0,
+        description="Highest per-frame max_pixels (or min_pixels) a video request may ask for; unset = "
+        "video_max_pixels.",
     )
     max_batch_size: int = Field(8, ge=1, description="Most images in one vision-tower forward pass.")
     batch_wait_ms: float = Field(5.0, ge=0, description="How long the first image of a batch waits for others.")

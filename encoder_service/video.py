@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from encoder_service.resize import check_aspect_ratio
 from shared.errors import InvalidInput
 
 # Per-frame pixel bounds of transformers' Qwen2VLVideoProcessor and of qwen-vl-utils: a frame gets
@@ -23,11 +24,13 @@ VIDEO_MAX_PIXELS = 768 * 28 * 28
 
 
 def check_frame_sizes(frames: list[Image.Image]) -> None:
-    """Every frame must share the first frame's size: one grid covers the whole video."""
+    """Every frame must share the first frame's size (one grid covers the whole video), and a
+    shape transformers can resize."""
     if not frames:
         raise InvalidInput("a video needs at least one frame", param="frames")
     first = frames[0].size
     for index, frame in enumerate(frames):
+        check_aspect_ratio(frame.width, frame.height, f"frames[{index}]")
         if frame.size != first:
             raise InvalidInput(
                 f"video frames must all have one size: frame 0 is {first[0]}x{first[1]}, "

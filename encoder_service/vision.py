@@ -18,6 +18,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from encoder_service.batch_invariant import make_batch_invariant
+from encoder_service.resize import check_aspect_ratio
 
 # transformers 5.x save_pretrained writes the hub layout (`visual.`); in-memory 5.x names use
 # `model.visual.`. Accept both so checkpoints from any version load.
@@ -98,14 +99,33 @@ class VisionEncoder:
     def default_max_pixels(self) -> int:
         return int(self.processor.size.longest_edge)
 
+    @property
+    def resize_factor(self) -> int:
+        """Each resized side is a multiple of this (patch_size * merge_size, 28 for Qwen2-VL)."""
+        return int(self.processor.patch_size) * int(self.processor.merge_size)
+
+    @property
+    def patch_pixels(self) -> int:
+        """Pixels of one patch: an image resized to N pixels is N // patch_pixels patch rows."""
+        return int(self.processor.patch_size) ** 2
+
     def preprocess(
-        self, image: Image.Image, min_pixels: int | None = None, max_pixels: int | None = None
+        self,
+        image: Image.Image,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        param: str = "image",
     ) -> Preprocessed:
-        """Resize into [min_pixels, max_pixels] and patchify; returns (pixel_values, grid_thw [1, 3])."""
+        """Resize into [min_pixels, max_pixels] and patchify; returns (pixel_values, grid_thw [1, 3]).
+
+        An image transformers cannot resize is InvalidInput naming `param`; bounds that break
+        0 < min <= max are the caller's bug (requests are checked by PixelPolicy first): ValueError.
+        """
         low = self.default_min_pixels if min_pixels is None else min_pixels
         high = self.default_max_pixels if max_pixels is None else max_pixels
         if low <= 0 or high < low:
             raise ValueError(f"need 0 < min_pixels <= max_pixels, got min_pixels={low}, max_pixels={high}")
+        check_aspect_ratio(image.width, image.height, param)
         out = self.processor(images=[image], size={"shortest_edge": low, "longest_edge": high}, return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"].to(torch.int64)
 

@@ -1,0 +1,177 @@
+"""Client-caused edge cases against a real encoder gRPC server and a real Redis: images the
+resizer refuses, keys that are not embedding keys, pixel bounds past the server's limit, and a
+huge image that must not hold up a small one."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from encoder_service.server import EncoderServer, start_encoder_server
+from encoder_service.settings import EncoderSettings
+from shared.blob import decode_blob
+from shared.errors import IncompatibleEncoder, InvalidEmbedding, InvalidInput
+from shared.pb.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from shared.sdk import AsyncEncoderClient, EncoderClient
+from tests.harness import BackgroundLoop, RedisServer
+from tests.images import png_bytes
+
+HUGE_SIDE = 2240  # 25,600 patches: seconds of forward pass even on the tiny tower (attention is quadratic)
+
+
+def _start(background_loop: BackgroundLoop, **settings: object) -> EncoderServer:
+    return background_loop.run(
+        start_encoder_server(EncoderSettings(host="127.0.0.1", port=0, warmup_pixels=0, **settings))
+    )
+
+
+@pytest.fixture(scope="module")
+def encoder(
+    checkpoints: dict[str, Path], redis_server: RedisServer, background_loop: BackgroundLoop
+) -> Iterator[EncoderServer]:
+    """An encoder with the default limits of the tiny checkpoint (max_pixels 50176)."""
+    server = _start(background_loop, checkpoint=str(checkpoints["base"]), redis_url=redis_server.url)
+    yield server
+    background_loop.run(server.stop())
+
+
+def _target(server: EncoderServer) -> str:
+    return f"127.0.0.1:{server.port}"
+
+
+# --- 1. images transformers cannot resize ---------------------------------------------------
+
+
+def test_aspect_ratio_over_200_is_invalid_input_naming_ratio_and_limit(encoder: EncoderServer) -> None:
+    with EncoderClient(_target(encoder)) as client:
+        with pytest.raises(InvalidInput, match=r"201\.0.*200") as image_error:
+            client.encode(image_bytes=png_bytes(1, (2010, 10)))
+        with pytest.raises(InvalidInput, match=r"201\.0.*200") as frame_error:
+            client.encode_video([png_bytes(1, (10, 2010)), png_bytes(2, (10, 2010))])
+        # Exactly 200 is what transformers still accepts.
+        assert client.encode(image_bytes=png_bytes(1, (400, 2))).grid_thw[0] == 1
+    assert image_error.value.param == "image" and frame_error.value.param == "frames[0]"
+
+
+# --- 2. GetEmbedding reads embeddings of this encoder, nothing else ---------------------------
+
+
+def test_get_embedding_never_returns_a_value_that_is_not_one_of_its_blobs(
+    encoder: EncoderServer, redis_server: RedisServer
+) -> None:
+    own_id = encoder.core.encoder_id
+    digest = "ab" * 32
+    planted = {
+        "secret:api-token": InvalidInput,
+        f"emb:v1:{own_id}:{digest}\n": InvalidInput,  # `$` would match before the newline
+        f"emb:v1:{own_id}:{digest.upper()}": InvalidInput,
+        f"emb:v1:other-encoder:{digest}": IncompatibleEncoder,
+        f"emb:v1:{own_id}:{digest}": InvalidEmbedding,  # a well-formed key holding no blob
+    }
+    redis = redis_server.client()
+    try:
+        for key in planted:
+            redis.set(key, b"hunter2-the-secret")
+        with EncoderClient(_target(encoder)) as client:
+            for key, error in planted.items():
+                with pytest.raises(error) as raised:
+                    client.get_embedding(key)
+                assert "hunter2" not in str(raised.value), key
+            real = client.encode(image_bytes=png_bytes(301))
+            blob = decode_blob(client.get_embedding(real.key), encoder.core.rules)  # its own blobs still read back
+            assert blob.num_tokens == real.num_tokens
+    finally:
+        redis.delete(*planted)
+
+
+def test_a_10k_character_key_is_invalid_argument_with_a_short_message(encoder: EncoderServer) -> None:
+    key = f"emb:v1:{encoder.core.encoder_id}:" + "a" * 10_000
+    with grpc.insecure_channel(_target(encoder)) as channel:
+        with pytest.raises(grpc.RpcError) as raised:
+            encoder_pb2_grpc.EncoderServiceStub(channel).GetEmbedding(
+                encoder_pb2.GetEmbeddingRequest(key=key), timeout=30
+            )
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(raised.value.details()) < 300 and "is not an embedding key" in raised.value.details()
+
+
+# --- 3a. client pixel bounds are capped by the server --------------------------------------
+
+
+def test_pixel_bounds_past_the_checkpoint_default_are_refused_naming_the_limit(encoder: EncoderServer) -> None:
+    limit = encoder.core.vision.default_max_pixels
+    image = png_bytes(302)
+    with EncoderClient(_target(encoder)) as client:
+        with pytest.raises(InvalidInput, match=f"limit of {limit}") as too_big:
+            client.encode(image_bytes=image, max_pixels=limit + 1)
+        with pytest.raises(InvalidInput, match=f"limit of {limit}") as upscaled:
+            client.encode(image_bytes=image, min_pixels=limit + 1)  # upscaling is as costly
+        with pytest.raises(InvalidInput, match="limit of 602112") as frame_too_big:
+            client.encode_video([image, image], max_pixels=602_113)
+        with pytest.raises(InvalidInput, match="784"):
+            client.encode(image_bytes=image, max_pixels=100)
+        assert client.encode(image_bytes=image, max_pixels=limit // 4).num_tokens > 0  # lowering is fine
+    assert too_big.value.param == "max_pixels" and frame_too_big.value.param == "max_pixels"
+    assert upscaled.value.param == "min_pixels"
+
+
+# --- 3b. a huge image does not hold up a small one -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def roomy_encoder(
+    checkpoints: dict[str, Path], redis_server: RedisServer, background_loop: BackgroundLoop
+) -> Iterator[EncoderServer]:
+    """An encoder whose operator allows images far above the checkpoint's default."""
+    server = _start(
+        background_loop,
+        checkpoint=str(checkpoints["base"]),
+        redis_url=redis_server.url,
+        max_pixels_limit=HUGE_SIDE * HUGE_SIDE,
+    )
+    yield server
+    background_loop.run(server.stop())
+
+
+def test_a_small_image_finishes_while_a_huge_one_is_still_encoding(roomy_encoder: EncoderServer) -> None:
+    huge_started = threading.Event()
+    huge_done = threading.Event()
+    huge_patches = HUGE_SIDE * HUGE_SIDE // 14**2
+
+    def before(_module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if int(kwargs["grid_thw"].prod(dim=-1).max()) >= huge_patches:
+            huge_started.set()
+
+    def after(_module: torch.nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        if int(kwargs["grid_thw"].prod(dim=-1).max()) >= huge_patches:
+            huge_done.set()
+
+    tower = roomy_encoder.core.vision.tower
+    handles = [
+        tower.register_forward_pre_hook(before, with_kwargs=True),
+        tower.register_forward_hook(after, with_kwargs=True),
+    ]
+
+    async def race() -> bool:
+        async with AsyncEncoderClient(_target(roomy_encoder)) as client:
+            huge = asyncio.create_task(
+                client.encode(image_bytes=png_bytes(303, (64, 64)), min_pixels=HUGE_SIDE**2, max_pixels=HUGE_SIDE**2)
+            )
+            # The small image arrives once the huge one's forward pass is under way.
+            assert await asyncio.to_thread(huge_started.wait, 120)
+            await client.encode(image_bytes=png_bytes(304))
+            small_first = not huge_done.is_set()
+            assert (await huge).grid_thw == [1, HUGE_SIDE // 14, HUGE_SIDE // 14]
+            return small_first
+
+    try:
+        assert asyncio.run(race()), "the small image waited for the huge one's forward pass"
+    finally:
+        for handle in handles:
+            handle.remove()
