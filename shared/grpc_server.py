@@ -35,6 +35,10 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
         ("grpc.max_connection_age_grace_ms", MAX_CONNECTION_AGE_GRACE_MS),
+        # Clients ping every 15 s, with or without calls (shared.sdk.types.channel_options). A server
+        # that thinks pings come too often answers GOAWAY (too_many_pings) and drops the connection.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
     ]
 
 

@@ -35,6 +35,12 @@ RETRY_SERVICE_CONFIG = json.dumps(
     }
 )
 
+RECONNECT_INITIAL_BACKOFF_MS = 500
+RECONNECT_MAX_BACKOFF_MS = 2_000
+MIN_CONNECT_TIMEOUT_MS = 5_000
+KEEPALIVE_TIME_MS = 15_000  # a server must accept pings this often (see shared.grpc_server)
+KEEPALIVE_TIMEOUT_MS = 5_000
+
 
 @dataclass(frozen=True)
 class ChannelConfig:
@@ -61,6 +67,19 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, object]]:
         # A dns:/// target naming a headless Service resolves to every pod; spread calls over them.
         ("grpc.lb_policy_name", "round_robin"),
         ("grpc.service_config", RETRY_SERVICE_CONFIG),
+        # Reconnect within ~2 s of a service coming back: by default the backoff grows to 120 s,
+        # and calls fail fast (UNAVAILABLE) during it although the service is SERVING again.
+        ("grpc.initial_reconnect_backoff_ms", RECONNECT_INITIAL_BACKOFF_MS),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_BACKOFF_MS),
+        # The least time one connection attempt is given (gRPC's min_connect_timeout, 20 s by
+        # default): long enough for a TLS handshake on a busy node, short enough for a black hole.
+        ("grpc.min_reconnect_backoff_ms", MIN_CONNECT_TIMEOUT_MS),
+        # Pings notice a pod that vanished without closing its connections (node lost, network
+        # cut) in seconds, not at the TCP timeout; servers allow them (shared.grpc_server.grpc_options).
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
     ]
 
 
