@@ -1,5 +1,6 @@
 """OpenAI-style request bodies. One documented form per content part; unknown
-top-level fields are accepted (clients send them) and ignored."""
+top-level fields are accepted (clients send them) and ignored. Types are strict, as OpenAI's and
+vLLM's are: `"max_tokens": "12"` or `"stream": "yes"` is a 400 naming the field, not a guess."""
 
 from __future__ import annotations
 
@@ -15,25 +16,32 @@ MAX_GRID_SIDE = 65_535
 MAX_FRAMES_BOUND = 1024  # the encoder applies its own, tighter frame limit
 
 
-class TextPart(BaseModel):
+class StrictRequest(BaseModel):
+    """Base of every request body: an int must be a JSON integer, a bool a JSON boolean, a string
+    a JSON string; a float field takes integers too (`"temperature": 1`), never strings."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class TextPart(StrictRequest):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str = Field(description="Plain text.")
 
 
-class ImageUrl(BaseModel):
+class ImageUrl(StrictRequest):
     model_config = ConfigDict(extra="ignore")
     url: str = Field(min_length=1, description="An http(s) URL or a data:image/...;base64 URL.")
     detail: str | None = Field(None, description="Accepted for compatibility; ignored.")
 
 
-class ImageUrlPart(BaseModel):
+class ImageUrlPart(StrictRequest):
     model_config = ConfigDict(extra="forbid")
     type: Literal["image_url"]
     image_url: ImageUrl = Field(description="The image, encoded once by the encoder service.")
 
 
-class ImageEmbedsPart(BaseModel):
+class ImageEmbedsPart(StrictRequest):
     """Embeddings instead of an image: a stored key (`uuid`), or inline in vLLM's form."""
 
     model_config = ConfigDict(extra="forbid")
@@ -57,7 +65,7 @@ class ImageEmbedsPart(BaseModel):
         return self
 
 
-class VideoPart(BaseModel):
+class VideoPart(StrictRequest):
     """A video as its frames, in order (Qwen2-VL's list-of-frames form): encoded once into a
     grid with t = ceil(frames / 2)."""
 
@@ -68,7 +76,7 @@ class VideoPart(BaseModel):
     )
 
 
-class VideoEmbedsPart(BaseModel):
+class VideoEmbedsPart(StrictRequest):
     """Video embeddings instead of frames: a stored key (`uuid`), or inline like image_embeds."""
 
     model_config = ConfigDict(extra="forbid")
@@ -98,17 +106,17 @@ ContentPart = Annotated[
 ]
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(StrictRequest):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant"] = Field(description="Who speaks.")
     content: str | list[ContentPart] = Field(description="A string, or a list of content parts in order.")
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(StrictRequest):
     include_usage: bool = Field(False, description="Send a usage chunk before [DONE].")
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(StrictRequest):
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(min_length=1, description="Model name, as listed by GET /v1/models.")
@@ -155,7 +163,7 @@ class ChatCompletionRequest(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-class EncodeImageRequest(BaseModel):
+class EncodeImageRequest(StrictRequest):
     model_config = ConfigDict(extra="forbid")
     image_url: str = Field(min_length=1, description="An http(s) URL or a data:image/...;base64 URL.")
     min_pixels: int = Field(0, ge=0, le=MAX_PIXELS_BOUND, description="0 = the encoder's default.")
@@ -176,7 +184,7 @@ class EncodeImageResponse(BaseModel):
     )
 
 
-class EncodeVideoRequest(BaseModel):
+class EncodeVideoRequest(StrictRequest):
     model_config = ConfigDict(extra="forbid")
     frames: list[Annotated[str, Field(min_length=1)]] = Field(
         min_length=1, max_length=MAX_FRAMES_BOUND, description="Frame images in order: http(s) or data:image URLs."
