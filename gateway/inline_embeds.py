@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import json
+import math
 import struct
 
 import numpy as np
@@ -18,9 +18,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from shared.blob import EmbeddingBlob, Modality, serialize_unvalidated
-from shared.errors import InvalidInput
+from shared.blob import _parse_header as parse_safetensors_header
+from shared.blob import _split_header as split_safetensors_header
+from shared.blob import _view as tensor_view
+from shared.errors import InvalidEmbedding, InvalidInput, clip
 
 NPY_MAGIC = b"\x93NUMPY"
+# Little-endian, as the hosts we run on are; torch takes the data as it lies.
+NPY_DTYPES = {np.dtype("<f4"): torch.float32, np.dtype("<f2"): torch.float16}
 SAFE_FORMATS = "send the tensor as .npy bytes (numpy.save) or safetensors bytes, base64-encoded"
 
 
@@ -31,20 +36,52 @@ def _looks_like_safetensors(raw: bytes) -> bool:
     return header_len <= len(raw) - 8 and raw[8:9] == b"{"
 
 
-def _from_npy(raw: bytes, name: str, param: str) -> torch.Tensor:
+def _npy_header(stream: io.BytesIO, name: str, param: str) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """(shape, fortran_order, dtype) of a .npy header, read by numpy's own parsers, which never
+    unpickle and refuse a header over their size cap: a hostile header length reads no further
+    than the payload already in memory."""
     try:
-        array = np.load(io.BytesIO(raw), allow_pickle=False)
+        version = np.lib.format.read_magic(stream)
+        if version == (1, 0):
+            return np.lib.format.read_array_header_1_0(stream)
+        if version == (2, 0):
+            return np.lib.format.read_array_header_2_0(stream)
     except ValueError as error:
-        raise InvalidInput(f"{name} .npy payload is unreadable or holds objects: {error}", param=param) from None
-    if array.dtype not in (np.float32, np.float16):
-        raise InvalidInput(f"{name} .npy dtype {array.dtype} is not float32 or float16", param=param)
-    return torch.from_numpy(np.ascontiguousarray(array))
+        raise InvalidInput(f"{name} .npy header is unreadable: {clip(str(error))}", param=param) from None
+    raise InvalidInput(f"{name} .npy format version {version} is not supported (1.0 or 2.0)", param=param)
+
+
+def _from_npy(raw: bytes, name: str, param: str) -> torch.Tensor:
+    """The [tokens, hidden] tensor the header describes, checked against the bytes present before
+    anything is allocated (np.load allocates whatever shape a header claims, then fails to fill
+    it), and a view of `raw` when in C order."""
+    stream = io.BytesIO(raw)
+    shape, fortran_order, dtype = _npy_header(stream, name, param)
+    if dtype not in NPY_DTYPES:
+        raise InvalidInput(f"{name} .npy dtype {dtype.str} is not float32 or float16 (little-endian)", param=param)
+    if len(shape) != 2 or min(shape) < 0:
+        raise InvalidInput(f"{name} .npy array must be 2-D [tokens, hidden], got shape {list(shape)}", param=param)
+    present = len(raw) - stream.tell()
+    if math.prod(shape) * dtype.itemsize != present:
+        raise InvalidInput(
+            f"{name} .npy header declares shape {list(shape)} of {dtype.str}, which does not match the "
+            f"{present} data bytes present",
+            param=param,
+        )
+    torch_dtype = NPY_DTYPES[dtype]
+    if fortran_order:  # the transpose, stored row by row; one copy makes it [tokens, hidden] in C order
+        return tensor_view(raw, stream.tell(), torch_dtype, shape[::-1], 0, present).T.contiguous()
+    return tensor_view(raw, stream.tell(), torch_dtype, shape, 0, present)
 
 
 def _from_safetensors(raw: bytes, name: str, param: str) -> torch.Tensor:
+    # The header is checked against the payload first, as stored blobs are (shared.blob): declared
+    # sizes must fill the data exactly, so loading never allocates more than the payload.
     try:
+        header, start = split_safetensors_header(raw, param)
+        parse_safetensors_header(header, len(raw) - start)
         tensors = load_safetensors(raw)
-    except (SafetensorError, json.JSONDecodeError):
+    except (InvalidEmbedding, ValueError, SafetensorError, RecursionError):
         raise InvalidInput(f"{name} safetensors payload is not valid", param=param) from None
     if name in tensors:
         return tensors[name]
