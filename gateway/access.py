@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
 from gateway.metrics import IN_FLIGHT
 from shared.errors import RateLimited, Unauthenticated
@@ -31,12 +32,20 @@ class Admission:
         self.limit = limit
         self.in_flight = 0
 
-    def enter(self) -> None:
+    def enter(self) -> Callable[[], None]:
+        """Takes a slot and returns its release, which frees the slot on its first call only:
+        it can then be called from every path that ends a request without counting twice."""
         if self.in_flight >= self.limit:
             raise RateLimited(f"too many requests in flight (limit {self.limit}); retry shortly")
         self.in_flight += 1
         IN_FLIGHT.inc()
+        held = True
 
-    def leave(self) -> None:
-        self.in_flight -= 1
-        IN_FLIGHT.dec()
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                self.in_flight -= 1
+                IN_FLIGHT.dec()
+
+        return release

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import base64
 import logging
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -14,15 +13,14 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import metrics
 from gateway.access import Admission, ApiKeys
 from gateway.backends import Backends
 from gateway.chat import generate, prepare
-from gateway.errors import error_response, install_error_handlers
+from gateway.errors import install_error_handlers
+from gateway.exchange import ExchangeMiddleware, on_exchange_end
 from gateway.openai_format import IndexedChunks, completion, event_stream
 from gateway.schemas import ChatCompletionRequest, EncodeImageRequest, EncodeImageResponse, EncodeVideoRequest
 from gateway.settings import GatewaySettings
-from shared.errors import ServiceError, TooLarge
 from shared.sdk import AsyncEncoderClient, EncodedImage
 
 logger = logging.getLogger(__name__)
@@ -41,14 +39,6 @@ async def _primed(chunks: IndexedChunks) -> IndexedChunks:
     return replay()
 
 
-async def _released(events: AsyncIterator[str], admission: Admission) -> AsyncIterator[str]:
-    try:
-        async for event in events:
-            yield event
-    finally:
-        admission.leave()
-
-
 async def _encode_response(
     encoder: AsyncEncoderClient, result: EncodedImage, return_embeddings: bool
 ) -> EncodeImageResponse:
@@ -57,29 +47,6 @@ async def _encode_response(
         key=result.key, grid_thw=result.grid_thw, num_tokens=result.num_tokens, encoder_id=result.encoder_id,
         cache_hit=result.cache_hit, embeddings=base64.b64encode(blob).decode() if blob is not None else None,
     )  # fmt: skip
-
-
-def _install_middleware(app: FastAPI, settings: GatewaySettings, api_keys: ApiKeys) -> None:
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        request.state.request_id = request_id
-        length = request.headers.get("content-length")
-        started = time.perf_counter()
-        try:
-            if not request.url.path.startswith(OPEN_PATHS):
-                api_keys.check(request.headers.get("authorization"))
-            if length and length.isdigit() and int(length) > settings.max_body_bytes:
-                raise TooLarge(f"request body exceeds {settings.max_body_bytes} bytes")
-            response = await call_next(request)
-        except ServiceError as error:
-            response = error_response(error)
-        route = request.scope.get("route")
-        route_path = getattr(route, "path", "unmatched")
-        metrics.HTTP_SECONDS.labels(route_path).observe(time.perf_counter() - started)
-        metrics.HTTP_REQUESTS.labels(route_path, str(response.status_code)).inc()
-        response.headers["x-request-id"] = request_id
-        return response
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -91,7 +58,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     app = FastAPI(title="VLM encode-once gateway", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
-    _install_middleware(app, settings, ApiKeys(settings.api_keys))
+    # Added last, so it wraps every other middleware (see gateway.exchange).
+    app.add_middleware(
+        ExchangeMiddleware,
+        api_keys=ApiKeys(settings.api_keys),
+        max_body_bytes=settings.max_body_bytes,
+        open_paths=OPEN_PATHS,
+    )
     admission = app.state.admission = Admission(settings.max_concurrent_requests)
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -102,22 +75,19 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 "ignoring unsupported fields %s (request %s)", sorted(body.model_extra), request.state.request_id
             )
         backends: Backends = request.app.state.backends
-        backends.llm_for(body.model)  # unknown model: 404 before any image is encoded
-        admission.enter()
-        streaming = False
-        try:
-            chat = await prepare(body, backends, settings, request.state.request_id)
-            completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-            chunks = generate(body, chat, backends, request.state.request_id)
-            if not body.stream:
-                return await completion(completion_id, body.model, body.n, chunks)
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = event_stream(completion_id, body.model, body.n, await _primed(chunks), include_usage)
-            streaming = True
-            return StreamingResponse(_released(events, admission), media_type="text/event-stream")
-        finally:
-            if not streaming:
-                admission.leave()
+        backends.check_model(body.model)  # unknown model: 404 before any image is encoded
+        # The slot is held exactly as long as the HTTP exchange, however it ends: a streaming
+        # client may leave before the response head, and then no body iterator ever runs.
+        on_exchange_end(request, admission.enter())
+        chat = await prepare(body, backends, settings, request.state.request_id)
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        chunks = generate(body, chat, backends, request.state.request_id)
+        on_exchange_end(request, chunks.aclose)  # a stream nobody reads stops generating
+        if not body.stream:
+            return await completion(completion_id, body.model, body.n, chunks)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = event_stream(completion_id, body.model, body.n, await _primed(chunks), include_usage)
+        return StreamingResponse(events, media_type="text/event-stream")
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator
+import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -11,6 +10,37 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.settings import GatewaySettings
 from shared.errors import ModelNotFound, clip
 from shared.sdk import AsyncEncoderClient, AsyncLLMClient, ModelInfo
+
+# How long a service that answered UNAVAILABLE is passed over while another one is up: a few of
+# the channels' reconnect backoffs (shared.sdk.types.channel_options), so it is tried again soon
+# after it is back, but not once per request while it is down.
+PASS_OVER_S = 5.0
+
+
+class Rotation:
+    """One model's LLM services, taken in turn. A service that answered UNAVAILABLE a moment ago
+    is passed over while another is not; when all did, they are taken in turn all the same, so
+    the first to come back is found."""
+
+    def __init__(self, clients: list[AsyncLLMClient]) -> None:
+        self.clients = clients
+        self._next = 0
+        self._down_until: dict[str, float] = {}
+
+    def pick(self, avoid: AsyncLLMClient | None = None) -> AsyncLLMClient | None:
+        """The next service not recently down and not `avoid`; None when there is none such and
+        `avoid` is set, else the next one in turn."""
+        now, count = time.monotonic(), len(self.clients)
+        order = [self.clients[(self._next + step) % count] for step in range(count)]
+        live = [c for c in order if c is not avoid and self._down_until.get(c.target, 0.0) <= now]
+        if not live and avoid is not None:
+            return None
+        chosen = live[0] if live else order[0]
+        self._next = (self.clients.index(chosen) + 1) % count
+        return chosen
+
+    def mark_down(self, client: AsyncLLMClient) -> None:
+        self._down_until[client.target] = time.monotonic() + PASS_OVER_S
 
 
 class Backends:
@@ -22,22 +52,33 @@ class Backends:
             name: [AsyncLLMClient(target, timeout, config) for target in targets]
             for name, targets in settings.models.items()
         }
-        self._rotations: dict[str, Iterator[AsyncLLMClient]] = {
-            name: itertools.cycle(clients) for name, clients in self._models.items()
-        }
+        self._rotations = {name: Rotation(clients) for name, clients in self._models.items()}
         self._model_info: dict[str, ModelInfo] = {}
 
     @property
     def model_names(self) -> list[str]:
         return sorted(self._models)
 
-    def llm_for(self, model: str) -> AsyncLLMClient:
-        """The next LLM service for `model` (round robin); ModelNotFound when none serves it."""
+    def check_model(self, model: str) -> Rotation:
+        """`model`'s services, without taking a turn; ModelNotFound when none serves it."""
         rotation = self._rotations.get(model)
         if rotation is None:
             known = ", ".join(self.model_names) or "none"
             raise ModelNotFound(f"model {clip(model)!r} does not exist; available: {known}", param="model")
-        return next(rotation)
+        return rotation
+
+    def llm_for(self, model: str) -> AsyncLLMClient:
+        """The next LLM service for `model` (round robin, passing over those recently down).
+        Take one per call you make: each pick is a turn."""
+        chosen = self.check_model(model).pick()
+        assert chosen is not None  # pick() without `avoid` always chooses
+        return chosen
+
+    def instead_of(self, model: str, failed: AsyncLLMClient) -> AsyncLLMClient | None:
+        """Marks `failed` down (it answered UNAVAILABLE); another service of `model` that is not, if any."""
+        rotation = self.check_model(model)
+        rotation.mark_down(failed)
+        return rotation.pick(avoid=failed)
 
     async def model_info(self, model: str) -> ModelInfo:
         """What a model's service reports (accepted encoder ids, hidden size), asked once."""

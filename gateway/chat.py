@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 from gateway import metrics
@@ -23,8 +23,17 @@ from gateway.schemas import (
 )
 from gateway.settings import GatewaySettings
 from gateway.streams import merge_indexed
-from shared.errors import EmbeddingNotFound, InvalidInput
-from shared.sdk import EncodedImage, GenerationChunk, ImageKey, InlineEmbedding, Message, Sampling, VideoKey
+from shared.errors import EmbeddingNotFound, InvalidInput, Unavailable
+from shared.sdk import (
+    AsyncLLMClient,
+    EncodedImage,
+    GenerationChunk,
+    ImageKey,
+    InlineEmbedding,
+    Message,
+    Sampling,
+    VideoKey,
+)
 
 # What a key was encoded from: an image URL, or a video's frame URLs.
 Source = str | tuple[str, ...]
@@ -141,22 +150,41 @@ async def prepare(
     return PreparedChat(messages, {key: source for source, key in key_of.items()})
 
 
-async def _one_choice(
-    request: ChatCompletionRequest, chat: PreparedChat, backends: Backends, sampling: Sampling, request_id: str
-) -> AsyncIterator[GenerationChunk]:
-    """One choice's chunks. A missing key we can re-encode is re-encoded and retried once."""
-    llm = backends.llm_for(request.model)
-    started = time.perf_counter()
+async def _start(
+    llm: AsyncLLMClient, request: ChatCompletionRequest, chat: PreparedChat, sampling: Sampling, request_id: str
+) -> tuple[AsyncIterator[GenerationChunk], GenerationChunk]:
     stream = llm.generate(request.model, chat.messages, sampling, request_id)
+    return stream, await anext(stream)
+
+
+async def _opened(
+    request: ChatCompletionRequest, chat: PreparedChat, backends: Backends, sampling: Sampling, request_id: str
+) -> tuple[AsyncIterator[GenerationChunk], GenerationChunk]:
+    """A choice's stream and its first chunk. Before any output a retry repeats nothing, so: a
+    service that is UNAVAILABLE is passed over for another one of the model (once), and a
+    missing key we can re-encode is re-encoded and the request retried (once)."""
+    llm = backends.llm_for(request.model)
     try:
-        first = await anext(stream)
+        return await _start(llm, request, chat, sampling, request_id)
+    except Unavailable:
+        other = backends.instead_of(request.model, llm)
+        if other is None:
+            raise
+        return await _start(other, request, chat, sampling, request_id)
     except EmbeddingNotFound as error:
         lost = [key for key in error.keys if key in chat.sources]
         if not lost or len(lost) != len(error.keys):
             raise
         await asyncio.gather(*(_encode(backends, chat.sources[key], request_id) for key in lost))
-        stream = llm.generate(request.model, chat.messages, sampling, request_id)
-        first = await anext(stream)
+        return await _start(llm, request, chat, sampling, request_id)
+
+
+async def _one_choice(
+    request: ChatCompletionRequest, chat: PreparedChat, backends: Backends, sampling: Sampling, request_id: str
+) -> AsyncIterator[GenerationChunk]:
+    """One choice's chunks, from one LLM service of the model."""
+    started = time.perf_counter()
+    stream, first = await _opened(request, chat, backends, sampling, request_id)
     first_at = time.perf_counter()
     metrics.TTFT_SECONDS.labels(request.model).observe(first_at - started)
     yield first
@@ -171,7 +199,7 @@ async def _one_choice(
 
 def generate(
     request: ChatCompletionRequest, chat: PreparedChat, backends: Backends, request_id: str
-) -> AsyncIterator[tuple[int, GenerationChunk]]:
+) -> AsyncGenerator[tuple[int, GenerationChunk], None]:
     """(choice index, chunk) for all `n` choices; a seeded request seeds choice i with seed + i."""
     sampling = _sampling(request)
     streams = []

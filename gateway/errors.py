@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import logging
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from gateway.openai_format import error_body
-from shared.errors import Internal, InvalidInput, ServiceError, Unavailable
-
-logger = logging.getLogger(__name__)
+from shared.errors import ERROR_CLASSES, InvalidInput, ServiceError, Unavailable
 
 
 def error_response(error: ServiceError) -> JSONResponse:
@@ -39,6 +36,22 @@ def validation_error(exc: RequestValidationError) -> InvalidInput:
     return InvalidInput(f"{param}: {message}" if param else message, param=param)
 
 
+def http_error_response(exc: HTTPException) -> JSONResponse:
+    """Starlette's and FastAPI's own HTTP errors (unknown route, wrong method, a body that is not
+    UTF-8) in the OpenAI shape, as the domain class with that status (its most general one)."""
+    message = "request body is not valid UTF-8 JSON" if isinstance(exc.__cause__, UnicodeDecodeError) else exc.detail
+    classes = [cls for cls in ERROR_CLASSES if cls.kind.http_status == exc.status_code]
+    if classes:
+        error = classes[-1](str(message))
+        response = error_response(error)
+    else:  # a status no domain error has (405): the status is kept, the body still OpenAI's
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        body = {"error": {"message": str(message), "type": kind, "param": None, "code": None}}
+        response = JSONResponse(body, status_code=exc.status_code)
+    response.headers.update(exc.headers or {})
+    return response
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
@@ -48,7 +61,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(validation_error(exc))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s", request.url.path)
-        return error_response(Internal("internal error; see the gateway log"))
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return http_error_response(exc)
+
+    # Any other exception is answered by gateway.exchange, outside the app, with the request id.

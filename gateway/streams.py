@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TypeVar
 
 T = TypeVar("T")
 _END = object()
 
 
-async def merge_indexed(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge_indexed(streams: list[AsyncIterator[T]]) -> AsyncGenerator[tuple[int, T], None]:
     """Items as they arrive, as (index, item). The first error cancels the others and is raised."""
     if len(streams) == 1:  # the common case: no tasks, errors surface directly
         async for item in streams[0]:

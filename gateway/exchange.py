@@ -1,0 +1,141 @@
+"""The outermost layer of every HTTP exchange, in plain ASGI.
+
+Plain ASGI, not `@app.middleware("http")`: an exception escaping that middleware is answered by
+Starlette's ServerErrorMiddleware, outside it, without our headers; and it sees a request only
+once its endpoint returned, so it can neither count body bytes nor know when a stream ended.
+Here, for each exchange:
+- a request id, taken from `x-request-id` or made up, is stamped on every response head;
+- API keys and the body limit are checked before any route runs. The limit is counted on the
+  bytes received, not on `Content-Length`, which a chunked body does not send;
+- an exception nobody answered becomes the OpenAI-shaped 500;
+- cleanups registered with `on_exchange_end` (an admission slot, an open generation) run once
+  when the exchange ends: response sent, failed, or never started because the client left.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+import time
+import uuid
+from collections.abc import Callable
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway import metrics
+from gateway.access import ApiKeys
+from gateway.errors import error_response
+from shared.errors import Internal, ServiceError, TooLarge
+
+logger = logging.getLogger(__name__)
+Cleanup = Callable[[], object]  # may return an awaitable, which is awaited
+_CLEANUPS = "exchange_cleanups"
+# A client's id is echoed in headers and logs: only a short token of safe characters is kept.
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# nginx's code for "client closed the request": the exchange ended before any response head.
+CLIENT_GONE = 499
+
+
+def on_exchange_end(request: Request, cleanup: Cleanup) -> None:
+    """Runs `cleanup` once when this HTTP exchange ends, however it ends."""
+    request.scope["state"][_CLEANUPS].append(cleanup)
+
+
+class _Response:
+    """The response side of one exchange. Once the gateway answered by itself (the body limit),
+    whatever the app still sends is dropped: the client already has its answer."""
+
+    def __init__(self, send: Send, request_id: str) -> None:
+        self._send = send
+        self._request_id = request_id.encode()
+        self.status: int | None = None
+        self.head_at: float | None = None
+        self._closed = False
+
+    async def send(self, message: Message) -> None:
+        if self._closed:
+            return
+        if message["type"] == "http.response.start":
+            self.status, self.head_at = message["status"], time.perf_counter()
+            headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+            message = {**message, "headers": [*headers, (b"x-request-id", self._request_id)]}
+        await self._send(message)
+
+    async def answer(self, error: ServiceError, scope: Scope, receive: Receive) -> None:
+        """Sends `error` unless a response head went out already; ends the response either way."""
+        if self.status is None:
+            await error_response(error)(scope, receive, self.send)
+        self._closed = True
+
+
+class ExchangeMiddleware:
+    def __init__(self, app: ASGIApp, *, api_keys: ApiKeys, max_body_bytes: int, open_paths: tuple[str, ...]) -> None:
+        self.app = app
+        self._api_keys = api_keys
+        self._max_body_bytes = max_body_bytes
+        self._open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        request = Request(scope)
+        client_id = request.headers.get("x-request-id", "")
+        request.state.request_id = client_id if _CLIENT_ID.fullmatch(client_id) else uuid.uuid4().hex
+        setattr(request.state, _CLEANUPS, [])
+        response = _Response(send, request.state.request_id)
+        try:
+            self._admit(request)
+            await self.app(scope, self._limited(receive, response, scope), response.send)
+        except ClientDisconnect:
+            logger.info("client went away from %s", scope["path"])
+        except ServiceError as error:
+            await response.answer(error, scope, receive)
+        except Exception:
+            logger.exception("unhandled error on %s", scope["path"])
+            await response.answer(Internal("internal error; see the gateway log"), scope, receive)
+        finally:
+            await _run_cleanups(getattr(request.state, _CLEANUPS))
+            route = getattr(scope.get("route"), "path", "unmatched")
+            metrics.HTTP_SECONDS.labels(route).observe((response.head_at or time.perf_counter()) - started)
+            metrics.HTTP_REQUESTS.labels(route, str(response.status or CLIENT_GONE)).inc()
+
+    def _admit(self, request: Request) -> None:
+        if not request.url.path.startswith(self._open_paths):
+            self._api_keys.check(request.headers.get("authorization"))
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > self._max_body_bytes:
+            raise self._too_large()
+
+    def _limited(self, receive: Receive, response: _Response, scope: Scope) -> Receive:
+        """`receive` that answers 413 as soon as the body passes the limit, and stops the app reading."""
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self._max_body_bytes:
+                    error = self._too_large()
+                    await response.answer(error, scope, receive)
+                    raise error
+            return message
+
+        return limited_receive
+
+    def _too_large(self) -> TooLarge:
+        return TooLarge(f"request body exceeds {self._max_body_bytes} bytes")
+
+
+async def _run_cleanups(cleanups: list[Cleanup]) -> None:
+    for cleanup in cleanups:
+        try:
+            result = cleanup()
+            if inspect.isawaitable(result):
+                await result
+        except Exception:  # one failed cleanup must not skip the others (an admission slot among them)
+            logger.exception("cleanup %r failed", cleanup)
