@@ -13,6 +13,7 @@ import grpc
 import pytest
 import torch
 
+from encoder_service.batcher import LanedBatcher
 from encoder_service.server import EncoderServer, start_encoder_server
 from encoder_service.settings import EncoderSettings
 from shared.blob import decode_blob
@@ -175,3 +176,21 @@ def test_a_small_image_finishes_while_a_huge_one_is_still_encoding(roomy_encoder
     finally:
         for handle in handles:
             handle.remove()
+
+
+async def test_batches_are_capped_by_cost_and_costly_items_take_their_own_lane() -> None:
+    passes: list[list[int]] = []
+
+    def run(items: list[int]) -> list[int]:
+        passes.append(items)
+        return [-n for n in items]
+
+    batcher = LanedBatcher(run, cost=lambda n: n, large_cost=10, max_batch_size=8, max_wait_s=0.05, max_batch_cost=12)
+    batcher.start()
+    try:
+        results = await asyncio.gather(*(batcher.submit(n) for n in (5, 5, 5, 50, 1)))
+    finally:
+        await batcher.aclose()
+    assert results == [-5, -5, -5, -50, -1]
+    # In arrival order, never skipping ahead: 5+5 fits 12, the third 5 opens the next pass.
+    assert sorted(passes) == [[5, 1], [5, 5], [50]] and batcher.batches_run == 3
