@@ -141,8 +141,9 @@ class EncoderCore:
             )
         (data,) = await self.store.get_many([key])
         if data is None:
-            raise EmbeddingNotFound(f"no embedding stored under {key!r}", keys=[key], param="key")
-        await asyncio.to_thread(decode_blob, data, self.rules, key)
+            raise EmbeddingNotFound(f"no embedding stored under {clip(key)!r}", keys=[key], param="key")
+        # where="key": the error names the request's field (param), not the whole key.
+        await asyncio.to_thread(decode_blob, data, self.rules, "key")
         return data
 
     async def _image_bytes(self, source: ImageSource, frame: str | None = None) -> bytes:
