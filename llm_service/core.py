@@ -15,6 +15,7 @@ import torch
 
 from llm_service.blob_cache import BlobCache
 from llm_service.blob_fetch import decode_items_async, fetch_items
+from llm_service.context import fit_to_context
 from llm_service.engines.base import Engine, EngineRequest, GenerationDelta
 from llm_service.prompt import ChatTurn, MediaSlot, PromptBuilder
 from llm_service.requests import ChatRequest, MediaInput
@@ -60,7 +61,7 @@ class LLMCore:
             prompt_token_ids=prompt_ids,
             image_embeds=[blob.embeds for _, blob in images],
             image_grid_thw=_grid([blob for _, blob in images]),
-            sampling=request.sampling,
+            sampling=fit_to_context(len(prompt_ids), request.sampling, self.engine.max_model_len),
             image_uuids=[_media_uuid(item) for item, _ in images],
             video_embeds=[blob.embeds for _, blob in videos],
             video_grid_thw=_grid([blob for _, blob in videos]),

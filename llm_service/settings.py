@@ -19,7 +19,12 @@ class LLMSettings(StoreSettings, GrpcServerSettings):
     engine: Literal["auto", "vllm", "transformers"] = Field(
         "auto", description="Decoding engine: vllm, transformers (exact reference), or auto (vllm where it imports)."
     )
-    max_model_len: int = Field(4096, gt=0, description="vLLM: most prompt + completion tokens per request.")
+    max_model_len: int = Field(
+        4096,
+        gt=0,
+        description="Most prompt + completion tokens per request, both engines (transformers: capped at the "
+        "model's max_position_embeddings). A longer prompt is a 400; max_tokens is capped to the room left.",
+    )
     kv_cache_gib: float | None = Field(None, gt=0, description="vLLM: KV cache size in GiB; unset = vLLM's default.")
     enforce_eager: bool = Field(
         False, description="vLLM: run the model eagerly, without torch.compile: starts faster, decodes slower."

@@ -191,6 +191,9 @@ class GenerationDelta:
 class Engine(Protocol):
     hidden_size: int
     tokenizer: PreTrainedTokenizerBase
+    # Most prompt plus completion tokens per request; the service checks prompts against it
+    # (llm_service/context.py), so an engine never sees one that does not fit.
+    max_model_len: int
 
     # Declared without `async`: implementations are async generators, which calling returns
     # an AsyncIterator directly (an `async def` here would type it as a coroutine).

@@ -45,4 +45,4 @@ def load_engine(
         )  # fmt: skip
     from llm_service.engines.transformers_engine import TransformersEngine
 
-    return TransformersEngine.load(str(checkpoint), device, getattr(torch, dtype))
+    return TransformersEngine.load(str(checkpoint), device, getattr(torch, dtype), max_model_len)

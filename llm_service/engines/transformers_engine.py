@@ -138,24 +138,30 @@ class _TokenObserver(StoppingCriteria):
 
 
 class TransformersEngine(Engine):
-    def __init__(self, model: Qwen2VLForConditionalGeneration, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(
+        self, model: Qwen2VLForConditionalGeneration, tokenizer: PreTrainedTokenizerBase, max_model_len: int = 4096
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.shape = EngineShape.of(model.config)
         self.hidden_size: int = self.shape.hidden_size
+        # The service's setting, as vLLM takes it, but never past the positions the model was made for.
+        self.max_model_len: int = min(max_model_len, model.config.text_config.max_position_embeddings)
         self.eos_ids = eos_token_ids(model.generation_config.eos_token_id, tokenizer)
         self.pad_token_id: int = _pad_id(model, tokenizer, self.eos_ids)
         # One worker thread serialises generations without a lock that a cancelled consumer could leak.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers-engine")
 
     @classmethod
-    def load(cls, checkpoint: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> TransformersEngine:
+    def load(
+        cls, checkpoint: str, device: str = "cpu", dtype: torch.dtype = torch.float32, max_model_len: int = 4096
+    ) -> TransformersEngine:
         path = Path(checkpoint)
         model = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=dtype).eval()
         # This service never sees pixels: drop the vision tower before moving to the device, so
         # its weights never occupy device memory and are freed from host memory.
         model.model.visual = None
-        return cls(model.to(device), AutoTokenizer.from_pretrained(path))
+        return cls(model.to(device), AutoTokenizer.from_pretrained(path), max_model_len)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -42,6 +42,7 @@ from llm_service.engines.base import (
     eos_token_ids,
     validate_request,
 )
+from shared.errors import InvalidInput
 
 _GIB = 1 << 30
 
@@ -54,6 +55,8 @@ class VLLMEngine(Engine):
         self.tokenizer = tokenizer
         self.shape = EngineShape.of(config)
         self.hidden_size: int = self.shape.hidden_size
+        # vLLM's own figure (it refuses to start when max_model_len exceeds what the model allows).
+        self.max_model_len: int = engine.model_config.max_model_len
         self.eos_ids = eos_ids
 
     @classmethod
@@ -123,8 +126,8 @@ class VLLMEngine(Engine):
                 delta = deltas.build(output.outputs[0], finished)
                 if delta is not None:
                     yield delta
-        except VLLMClientError as error:  # request rejected at admission (e.g. longer than max_model_len)
-            raise ValueError(str(error)) from None
+        except VLLMClientError as error:  # rejected at admission; the service checks length before this
+            raise InvalidInput(str(error)) from None
         finally:
             await stream.aclose()
             if not finished:  # consumer gone or error: free the sequence and its KV blocks now

@@ -1,0 +1,29 @@
+"""The context window rule, as vLLM applies it, checked once before any engine sees a request.
+
+vLLM refuses a prompt that leaves no room for one generated token (prompt >= max_model_len) and
+stops a generation when prompt plus output reaches max_model_len (finish reason "length"), even
+when max_tokens asked for more. Both engines get the same: a prompt that does not fit is a
+client error naming both counts (OpenAI's wording), and max_tokens is capped to the room left, so
+the transformers engine ends where vLLM would. max_tokens alone never makes a request fail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from llm_service.engines.base import SamplingParams
+from shared.errors import ContextLengthExceeded
+
+
+def fit_to_context(prompt_tokens: int, sampling: SamplingParams, max_model_len: int) -> SamplingParams:
+    """`sampling` with max_tokens capped to the room the prompt leaves; ContextLengthExceeded
+    when it leaves none."""
+    room = max_model_len - prompt_tokens
+    if room < 1:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_model_len} tokens. However, your messages "
+            f"resulted in {prompt_tokens} tokens (text plus image and video tokens), which leaves no room "
+            "for a reply. Please reduce the length of the messages or the size of the images.",
+            param="messages",
+        )
+    return sampling if sampling.max_tokens <= room else replace(sampling, max_tokens=room)

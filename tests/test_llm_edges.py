@@ -1,0 +1,99 @@
+"""The context window through the real stack (tests/harness.py: ft-a on vLLM, ft-b on transformers):
+a prompt that does not fit is a 400 `context_length_exceeded` naming both counts, streaming or not,
+and max_tokens is capped to the room the prompt leaves, as vLLM does (llm_service/context.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from llm_service.prompt import ChatTurn
+from shared.blob import EmbeddingBlob, encode_blob
+from shared.keys import embedding_key
+from tests.harness import VLLM_LIMITS, Stack
+
+MAX_MODEL_LEN = VLLM_LIMITS["max_model_len"]  # both LLM services of the in-process stack get it
+MODELS = ("ft-a", "ft-b")
+
+
+def _prompt_tokens(stack: Stack, model: str, text: str) -> int:
+    """What the service renders for one user turn of `text`: the count its error must name."""
+    return len(stack.llms[model].core.prompt_builder.build([ChatTurn("user", [text])], []))
+
+
+def _text_of(stack: Stack, model: str, tokens: int) -> str:
+    """User text whose rendered prompt has exactly `tokens` tokens (the tiny tokenizer: one per 'a ')."""
+    words = tokens
+    while _prompt_tokens(stack, model, "a " * words) > tokens:
+        words -= 1
+    text = "a " * words
+    assert _prompt_tokens(stack, model, text) == tokens, "could not hit the prompt length exactly"
+    return text
+
+
+def _chat(stack: Stack, body: dict[str, Any]) -> httpx.Response:
+    if not body.get("stream"):
+        return httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=120)
+    with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", json=body, timeout=120) as response:
+        response.read()
+        return response
+
+
+def _body(model: str, content: Any, stream: bool = False, max_tokens: int = 8) -> dict[str, Any]:
+    return {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+            "messages": [{"role": "user", "content": content}]}  # fmt: skip
+
+
+def _assert_too_long(response: httpx.Response, prompt_tokens: int | None) -> None:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+    assert error["type"] == "invalid_request_error"
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in error["message"]
+    if prompt_tokens is not None:
+        assert f"resulted in {prompt_tokens} tokens" in error["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("model", MODELS)
+def test_text_longer_than_the_context_is_a_400_naming_both_counts(stack: Stack, model: str, stream: bool) -> None:
+    text = "a " * (MAX_MODEL_LEN + 300)  # well past 2048: vLLM refused it with a 500 before
+    _assert_too_long(_chat(stack, _body(model, text, stream)), _prompt_tokens(stack, model, text))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_prompt_that_fills_the_context_exactly_leaves_no_room_and_is_refused(stack: Stack, model: str) -> None:
+    """vLLM's rule: the prompt must leave room for one generated token."""
+    _assert_too_long(_chat(stack, _body(model, _text_of(stack, model, MAX_MODEL_LEN))), MAX_MODEL_LEN)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_max_tokens_is_capped_to_the_room_left_so_output_stops_at_the_context_end(stack: Stack, model: str) -> None:
+    room = 3
+    body = _body(model, _text_of(stack, model, MAX_MODEL_LEN - room), max_tokens=100)
+    response = _chat(stack, body)
+    assert response.status_code == 200, response.text
+    usage, choice = response.json()["usage"], response.json()["choices"][0]
+    assert usage["prompt_tokens"] == MAX_MODEL_LEN - room
+    assert usage["completion_tokens"] <= room
+    if choice["finish_reason"] == "length":
+        assert usage["completion_tokens"] == room
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("model", MODELS)
+def test_one_image_with_more_tokens_than_the_context_is_a_400(stack: Stack, model: str, stream: bool) -> None:
+    """A stored blob of 2304 image tokens (grid 1 x 96 x 96, merged 2 x 2): the tiny test
+    encoder's max_pixels keeps its own images far smaller, so the blob is put in Redis directly."""
+    rules = stack.llms[model].core.rules
+    encoder_id = next(iter(rules.accepted_encoder_ids))
+    blob = EmbeddingBlob(torch.randn(96 * 96 // 4, rules.hidden_size), torch.tensor([[1, 96, 96]]), encoder_id)
+    key = embedding_key(encoder_id, b"an image larger than the context", 1, 2)
+    stack.redis.client().set(key, encode_blob(blob, rules), ex=60)
+    image = {"type": "image_embeds", "image_embeds": None, "uuid": key}
+    response = _chat(stack, _body(model, [image, {"type": "text", "text": "What is it?"}], stream))
+    _assert_too_long(response, None)
+    assert "resulted in 23" in response.json()["error"]["message"]  # 2304 image tokens plus the text
