@@ -11,6 +11,7 @@ import binascii
 import io
 import math
 import struct
+import tokenize
 
 import numpy as np
 import torch
@@ -46,7 +47,8 @@ def _npy_header(stream: io.BytesIO, name: str, param: str) -> tuple[tuple[int, .
             return np.lib.format.read_array_header_1_0(stream)
         if version == (2, 0):
             return np.lib.format.read_array_header_2_0(stream)
-    except ValueError as error:
+    # numpy tokenizes the header and literal-evals it: a mangled one fails in any of these ways.
+    except (ValueError, SyntaxError, tokenize.TokenError, TypeError, RecursionError) as error:
         raise InvalidInput(f"{name} .npy header is unreadable: {clip(str(error))}", param=param) from None
     raise InvalidInput(f"{name} .npy format version {version} is not supported (1.0 or 2.0)", param=param)
 
