@@ -18,10 +18,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from shared.blob import EmbeddingBlob, Modality, serialize_unvalidated
-from shared.blob import _parse_header as parse_safetensors_header
-from shared.blob import _split_header as split_safetensors_header
-from shared.blob import _view as tensor_view
+from shared.blob import (
+    EmbeddingBlob,
+    Modality,
+    parse_safetensors_header,
+    serialize_unvalidated,
+    split_safetensors_header,
+    tensor_view,
+)
 from shared.errors import InvalidEmbedding, InvalidInput, clip
 
 NPY_MAGIC = b"\x93NUMPY"

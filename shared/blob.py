@@ -154,7 +154,7 @@ def serialize_unvalidated(blob: EmbeddingBlob) -> bytes:
     return save_safetensors(tensors, metadata=metadata)
 
 
-def _split_header(data: bytes, where: str) -> tuple[bytes, int]:
+def split_safetensors_header(data: bytes, where: str) -> tuple[bytes, int]:
     """The JSON header's bytes and the offset where tensor data starts."""
     # safetensors layout: u64 little-endian header length, a JSON header, then the tensor bytes.
     if len(data) < 8:
@@ -165,7 +165,7 @@ def _split_header(data: bytes, where: str) -> tuple[bytes, int]:
     return data[8 : 8 + header_len], 8 + header_len
 
 
-def _parse_header(header: bytes, data_len: int) -> tuple[dict[str, Any], dict[str, _Layout]]:
+def parse_safetensors_header(header: bytes, data_len: int) -> tuple[dict[str, Any], dict[str, _Layout]]:
     """(metadata, layout) of a safetensors header; raises ValueError naming the first problem.
 
     Blobs of one encoder and one image size share their header byte for byte, so recent headers
@@ -222,7 +222,9 @@ def _tensor_layout(header: dict[str, Any], data_len: int) -> dict[str, _Layout]:
     return layout
 
 
-def _view(data: bytes, start: int, dtype: torch.dtype, shape: tuple[int, ...], begin: int, end: int) -> torch.Tensor:
+def tensor_view(
+    data: bytes, start: int, dtype: torch.dtype, shape: tuple[int, ...], begin: int, end: int
+) -> torch.Tensor:
     """A tensor over data[start + begin : start + end], sharing its memory (copied only if misaligned).
     safetensors data is little-endian, as every host we run on is."""
     if begin == end:
@@ -237,9 +239,9 @@ def decode_blob(data: bytes, rules: BlobRules, where: str = "embedding") -> Embe
     """Parses safetensors bytes into a validated blob; never unpickles anything.
 
     Zero-copy: the tensors are views of `data`, which they keep alive (see EmbeddingBlob)."""
-    header, start = _split_header(data, where)
+    header, start = split_safetensors_header(data, where)
     try:
-        metadata, layout = _parse_header(header, len(data) - start)
+        metadata, layout = parse_safetensors_header(header, len(data) - start)
     except ValueError as error:
         raise InvalidEmbedding(f"{where} is not a valid safetensors blob: {clip(str(error))}", param=where) from None
     if metadata.get("schema") != SCHEMA_VERSION:
@@ -253,7 +255,7 @@ def decode_blob(data: bytes, rules: BlobRules, where: str = "embedding") -> Embe
     if embeds is None or grid is None:
         raise InvalidEmbedding(f"{where} lacks {modality}_embeds or {modality}_grid_thw", param=where)
     blob = EmbeddingBlob(
-        _view(data, start, *embeds), _view(data, start, *grid), metadata.get("encoder_id", ""), modality
+        tensor_view(data, start, *embeds), tensor_view(data, start, *grid), metadata.get("encoder_id", ""), modality
     )
     validate_blob(blob, rules, where)
     return blob
