@@ -195,6 +195,10 @@ class Engine(Protocol):
     # (llm_service/context.py), so an engine never sees one that does not fit.
     max_model_len: int
 
+    def failure(self) -> str | None:
+        """Why the engine can no longer generate (its process died), or None while it can."""
+        ...
+
     # Declared without `async`: implementations are async generators, which calling returns
     # an AsyncIterator directly (an `async def` here would type it as a coroutine).
     def generate(self, request: EngineRequest) -> AsyncIterator[GenerationDelta]:

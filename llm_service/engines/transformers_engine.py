@@ -166,6 +166,9 @@ class TransformersEngine(Engine):
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
+    def failure(self) -> str | None:
+        return None  # in-process: it fails with the service, never without it
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[GenerationDelta]:
         self._validate(request)
         loop = asyncio.get_running_loop()

@@ -30,6 +30,7 @@ from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
 
 from llm_service.engines.base import (
     Engine,
@@ -42,9 +43,11 @@ from llm_service.engines.base import (
     eos_token_ids,
     validate_request,
 )
-from shared.errors import InvalidInput
+from llm_service.engines.vllm_process import dying_with_service
+from shared.errors import InvalidInput, Unavailable
 
 _GIB = 1 << 30
+ENGINE_DEAD = "the vLLM engine process died; this service is restarting"
 
 
 class VLLMEngine(Engine):
@@ -94,7 +97,14 @@ class VLLMEngine(Engine):
         tokenizer = AutoTokenizer.from_pretrained(path)
         config = AutoConfig.from_pretrained(path)
         eos_ids = _eos_ids(path, config, tokenizer)
-        return cls(AsyncLLM.from_engine_args(args), tokenizer, config, eos_ids)
+        # AsyncLLM.from_engine_args, with an executor that ties EngineCore to this process.
+        vllm_config = args.create_engine_config()
+        executor_class = dying_with_service(vllm_config)
+        engine = AsyncLLM(
+            vllm_config=vllm_config, executor_class=executor_class, log_requests=args.enable_log_requests,
+            log_stats=not args.disable_log_stats,
+        )  # fmt: skip
+        return cls(engine, tokenizer, config, eos_ids)
 
     def close(self) -> None:
         """Stops the engine process; blocks for a few seconds. Idempotent."""
@@ -111,8 +121,14 @@ class VLLMEngine(Engine):
     def num_unfinished_requests(self) -> int:
         return self.engine.get_num_unfinished_requests()
 
+    def failure(self) -> str | None:
+        # `errored`: vLLM's process monitor saw EngineCore exit, or its output handler failed.
+        return ENGINE_DEAD if self.engine is None or self.engine.errored else None
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[GenerationDelta]:
         self._validate(request)
+        if (failure := self.failure()) is not None:
+            raise Unavailable(failure)
         # Client ids may repeat; vLLM needs one id per live request to route outputs and aborts.
         request_id = f"{request.request_id}-{uuid.uuid4().hex}"
         stream = self.engine.generate(
@@ -128,9 +144,11 @@ class VLLMEngine(Engine):
                     yield delta
         except VLLMClientError as error:  # rejected at admission; the service checks length before this
             raise InvalidInput(str(error)) from None
+        except EngineDeadError:  # EngineCore died (OOM killer, crash): not this request's fault
+            raise Unavailable(ENGINE_DEAD) from None
         finally:
             await stream.aclose()
-            if not finished:  # consumer gone or error: free the sequence and its KV blocks now
+            if not finished and self.failure() is None:  # consumer gone or error: free the KV blocks now
                 await self.engine.abort(request_id)
 
     def vllm_prompt(self, request: EngineRequest) -> TokensPrompt:
