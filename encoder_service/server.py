@@ -103,7 +103,8 @@ def _limits(settings: EncoderSettings, vision: VisionEncoder) -> EncoderLimits:
 
 
 async def start_encoder_server(settings: EncoderSettings, core: EncoderCore | None = None) -> EncoderServer:
-    """Loads the vision tower (unless `core` is given), starts serving, and reports SERVING."""
+    """Loads the vision tower (unless `core` is given), starts serving, and reports SERVING
+    while Redis answers."""
     core = core or build_core(settings)
     core.batcher.start()
 
@@ -117,5 +118,6 @@ async def start_encoder_server(settings: EncoderSettings, core: EncoderCore | No
         settings.grpc_max_message_bytes,
         settings.server_security(),
     )
-    await running.set_serving(True)
+    # SERVING only while Redis answers: every Encode stores its result there (shared/readiness.py).
+    await running.follow_readiness({"redis": core.store.ping})
     return EncoderServer(running, core)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 
 from llm_service.server import start_llm_server
 from llm_service.settings import LLMSettings
@@ -12,15 +13,20 @@ from shared.grpc_server import serve_until_signal
 from shared.request_context import configure_logging
 
 
-async def main() -> None:
+async def main() -> int:
+    """Serves until SIGTERM (exit 0) or until the engine dies (exit 1: with a dead engine process
+    the service can only answer 503, so it leaves, as vLLM's own server does, to be restarted)."""
     settings = LLMSettings()
     configure_logging("llm", settings.log_level, settings.json_logs)
     serve_metrics(settings.metrics_port)
     server = await start_llm_server(settings)
     logging.getLogger(__name__).info("model %s ready on port %d", settings.model_name, server.port)
-    await serve_until_signal(server.running, settings.grace_s)
+    failure = await serve_until_signal(
+        server.running, settings.grace_s, server.engine_failure(), settings.engine_failure_grace_s
+    )
     await server.stop()
+    return 0 if failure is None else 1
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    sys.exit(asyncio.run(main()))

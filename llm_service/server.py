@@ -15,6 +15,7 @@ from llm_service.prompt import PromptBuilder
 from llm_service.requests import SamplingLimits
 from llm_service.servicer import LLMServicer
 from llm_service.settings import LLMSettings
+from shared import readiness
 from shared.blob import BlobRules
 from shared.checkpoints import compute_encoder_id
 from shared.grpc_server import RunningServer, start_server
@@ -23,6 +24,7 @@ from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc
 from shared.store import EmbeddingStore
 
 SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
+ENGINE_POLL_S = 0.2
 
 
 @dataclass
@@ -39,6 +41,21 @@ class LLMServer:
         await self.running.stop(grace_s)
         await self.core.store.aclose()
         await asyncio.to_thread(self.core.engine.close)
+
+    async def engine_failure(self) -> str:
+        """Returns (why) once the engine can no longer generate. vLLM marks a dead EngineCore
+        as soon as its process exits, so polling often costs little and notices it quickly."""
+        while (failure := self.core.engine.failure()) is None:
+            await asyncio.sleep(ENGINE_POLL_S)
+        return failure
+
+    def readiness_checks(self) -> dict[str, readiness.Check]:
+        """SERVING needs both: blobs come from Redis, tokens from the engine."""
+
+        async def engine_alive() -> bool:
+            return self.core.engine.failure() is None
+
+        return {"redis": self.core.store.ping, "engine": engine_alive}
 
 
 def build_core(settings: LLMSettings) -> LLMCore:
@@ -64,7 +81,8 @@ def build_core(settings: LLMSettings) -> LLMCore:
 
 
 async def start_llm_server(settings: LLMSettings, core: LLMCore | None = None) -> LLMServer:
-    """Loads the model (unless `core` is given), starts serving, and reports SERVING."""
+    """Loads the model (unless `core` is given), starts serving, and reports SERVING while Redis
+    answers and the engine lives."""
     core = core or build_core(settings)
     limits = SamplingLimits(settings.default_max_tokens, settings.max_tokens_limit)
 
@@ -79,5 +97,6 @@ async def start_llm_server(settings: LLMSettings, core: LLMCore | None = None) -
         settings.grpc_max_message_bytes,
         settings.server_security(),
     )
-    await running.set_serving(True)
-    return LLMServer(running, core)
+    server = LLMServer(running, core)
+    await running.follow_readiness(server.readiness_checks())
+    return server

@@ -1,21 +1,32 @@
-"""Graceful gRPC serving: health, reflection, the error interceptor, and SIGTERM drain."""
+"""Graceful gRPC serving: health, reflection, the error interceptor, readiness, and SIGTERM drain.
+
+Drain: readiness goes NOT_SERVING, the server refuses new calls, and the process ends as soon as
+the calls in flight have finished (or the grace runs out). grpc's own `server.stop(grace)` waits
+until every call has ended, open-ended ones included: one health Watch (a client-side health
+checker, a load balancer) kept every drain waiting for the whole grace. So the calls are counted
+here, Watch streams left out, and the server is stopped for good once the count reaches zero.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from shared import readiness
 from shared.grpc_auth import TokenAuthInterceptor
 from shared.grpc_errors import ErrorMappingInterceptor
 from shared.grpc_metrics import MetricsInterceptor
+from shared.grpc_wrap import StreamBehavior, UnaryBehavior, rewrap
 from shared.request_context import RequestContextInterceptor
 
 logger = logging.getLogger(__name__)
@@ -67,22 +78,98 @@ class ServerSecurity:
         return server.add_secure_port(address, grpc.ssl_server_credentials([self.tls_key_pair]))
 
 
+# Calls that stay open for as long as their client likes: a drain neither counts nor waits for them.
+OPEN_ENDED_METHODS = frozenset({"/grpc.health.v1.Health/Watch"})
+# Once the last counted call has returned, how long its final status gets to reach the client
+# before the calls left (open-ended ones) are cancelled.
+FLUSH_S = 1.0
+
+
+class InFlight(grpc.aio.ServerInterceptor):
+    """Counts the unary and server-streaming calls being served, open-ended ones excepted."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    @contextmanager
+    def _counted(self) -> Iterator[None]:
+        self.count += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.count -= 1
+            if self.count == 0:
+                self._idle.set()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler_call_details.method in OPEN_ENDED_METHODS:
+            return handler
+
+        def wrap_unary(behavior: UnaryBehavior) -> UnaryBehavior:
+            async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                with self._counted():
+                    return await behavior(request, context)
+
+            return wrapper
+
+        def wrap_stream(behavior: StreamBehavior) -> StreamBehavior:
+            async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                with self._counted():
+                    async for item in behavior(request, context):
+                        yield item
+
+            return wrapper
+
+        return rewrap(handler, wrap_unary, wrap_stream)
+
+
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
     health: health.aio.HealthServicer
     port: int
     service_names: tuple[str, ...]
+    in_flight: InFlight = field(default_factory=InFlight)
+    _readiness: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *self.service_names):
             await self.health.set(name, status)
 
+    async def follow_readiness(self, checks: Mapping[str, readiness.Check]) -> None:
+        """Reports SERVING only while every check passes (shared/readiness.py), from now until
+        `stop`: the checks run once before this returns, then about every second."""
+        down = await readiness.failing(checks)
+        await self.set_serving(not down)
+        if down:
+            readiness.log_change(down)
+        self._readiness = asyncio.create_task(readiness.follow(checks, self.set_serving, not down))
+
     async def stop(self, grace_s: float) -> None:
-        """Readiness goes NOT_SERVING first, then in-flight RPCs get `grace_s` to finish."""
-        await self.set_serving(False)
-        await self.server.stop(grace_s)
+        """Readiness goes NOT_SERVING for good, new calls are refused, and the server stops as
+        soon as the calls in flight have finished, or when `grace_s` runs out."""
+        await self.health.enter_graceful_shutdown()  # NOT_SERVING, and nothing sets it back
+        if self._readiness is not None:
+            self._readiness.cancel()
+        stopping = asyncio.ensure_future(self.server.stop(grace_s))
+        idle = asyncio.ensure_future(self.in_flight.wait_idle())
+        await asyncio.wait({stopping, idle}, return_when=asyncio.FIRST_COMPLETED)
+        idle.cancel()
+        if not stopping.done():  # every counted call ended; only open-ended ones may be left
+            await self.server.stop(FLUSH_S)
+        await stopping
 
 
 async def start_server(
@@ -92,8 +179,11 @@ async def start_server(
     max_message_bytes: int,
     security: ServerSecurity = ServerSecurity(),
 ) -> RunningServer:
-    """Starts a server with the given servicers; health stays NOT_SERVING until `set_serving(True)`."""
-    server = grpc.aio.server(interceptors=security.interceptors(), options=grpc_options(max_message_bytes))
+    """Starts a server with the given servicers; health stays NOT_SERVING until `set_serving(True)`
+    or `follow_readiness`."""
+    in_flight = InFlight()
+    interceptors = [in_flight, *security.interceptors()]
+    server = grpc.aio.server(interceptors=interceptors, options=grpc_options(max_message_bytes))
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -103,18 +193,33 @@ async def start_server(
     if port == 0:
         raise RuntimeError(f"could not bind gRPC server to {address}")
     await server.start()
-    running = RunningServer(server, health_servicer, port, names)
+    running = RunningServer(server, health_servicer, port, names, in_flight)
     await running.set_serving(False)
     return running
 
 
-async def serve_until_signal(running: RunningServer, grace_s: float) -> None:
-    """Blocks until SIGTERM/SIGINT, then drains and stops."""
+async def serve_until_signal(
+    running: RunningServer, grace_s: float, fatal: Awaitable[str] | None = None, fatal_grace_s: float = 2.0
+) -> str | None:
+    """Blocks until SIGTERM/SIGINT, then drains for up to `grace_s` and stops. When `fatal`
+    completes first (the service can no longer serve), drains for up to `fatal_grace_s` instead
+    and returns its reason, for the caller to exit non-zero and be restarted; else returns None."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     logger.info("serving on port %d", running.port)
-    await stop.wait()
-    logger.info("stopping: draining for up to %.1fs", grace_s)
-    await running.stop(grace_s)
+    signalled = asyncio.ensure_future(stop.wait())
+    failed = asyncio.ensure_future(fatal) if fatal is not None else None
+    await asyncio.wait({signalled, failed} - {None}, return_when=asyncio.FIRST_COMPLETED)
+    reason = failed.result() if failed is not None and failed.done() else None
+    for task in (signalled, failed):
+        if task is not None and not task.done():
+            task.cancel()
+    if reason is not None:
+        logger.error("cannot serve any more (%s): draining for up to %.1fs, then exiting", reason, fatal_grace_s)
+        await running.stop(fatal_grace_s)
+    else:
+        logger.info("stopping: draining for up to %.1fs", grace_s)
+        await running.stop(grace_s)
+    return reason
