@@ -6,7 +6,7 @@ import asyncio
 import logging
 import sys
 
-from llm_service.server import start_llm_server
+from llm_service.server import ENGINE_FAILURE_GRACE_S, start_llm_server
 from llm_service.settings import LLMSettings
 from shared.grpc_metrics import serve_metrics
 from shared.grpc_server import serve_until_signal
@@ -22,7 +22,7 @@ async def main() -> int:
     server = await start_llm_server(settings)
     logging.getLogger(__name__).info("model %s ready on port %d", settings.model_name, server.port)
     failure = await serve_until_signal(
-        server.running, settings.grace_s, server.engine_failure(), settings.engine_failure_grace_s
+        server.running, settings.grace_s, server.engine_failure(), ENGINE_FAILURE_GRACE_S
     )
     await server.stop()
     return 0 if failure is None else 1

@@ -25,6 +25,9 @@ from shared.store import EmbeddingStore
 
 SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
 ENGINE_POLL_S = 0.2
+# When the engine process has died, in-flight calls fail at once (503); this only lets their
+# errors reach the clients before the service exits (code 1) to be restarted.
+ENGINE_FAILURE_GRACE_S = 2.0
 
 
 @dataclass

@@ -35,12 +35,6 @@ class LLMSettings(StoreSettings, GrpcServerSettings):
         default_factory=list,
         description="Encoder ids whose blobs this model accepts (JSON list); empty = the id of this checkpoint's own vision tower.",
     )
-    engine_failure_grace_s: float = Field(
-        2.0,
-        ge=0,
-        description="When the engine process dies: seconds in-flight RPCs get to report it before the service "
-        "exits with code 1 (to be restarted).",
-    )
     default_max_tokens: int = Field(256, gt=0, description="max_tokens when a request sets none.")
     max_tokens_limit: int = Field(4096, gt=0, description="Highest max_tokens a request may ask for.")
     max_images_per_request: int = Field(16, gt=0, description="Most images and videos in one request.")
