@@ -8,6 +8,10 @@ answers on --redis-url (a loopback URL) and stopped at exit.
 
 `start()` is the one way to launch the stack as processes; the process tests
 (tests/process_stack.py) use it too, and signal or restart its services.
+
+The launcher supervises like Kubernetes: a service that exits on its own with a failure (killed,
+crashed, or an LLM service whose engine died) is started again on the same ports after a short,
+growing pause. One that exits 0 (it drained after SIGTERM: someone meant to stop it) stays down.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -34,8 +39,6 @@ sys.path.insert(0, str(REPO))
 
 from scripts.fanout import demo_image, run_fanout  # noqa: E402
 from shared.checkpoints import build_all  # noqa: E402
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def free_port() -> int:
@@ -81,15 +84,21 @@ def _stop(process: subprocess.Popen[bytes], timeout_s: float = 20) -> None:
 
 
 # Starts `python -m <module>` after asking Linux to SIGKILL this process when the thread that
-# started it ends. It runs after exec, in the child's own interpreter: a preexec_fn would run in
-# the forked copy of a multi-threaded parent (gRPC, torch and vLLM threads in a test run), where
-# dlopen or any lock another thread held at fork time can deadlock the child before it execs.
+# started it ends (shared/process_tree.py). It runs after exec, in the child's own interpreter: a
+# preexec_fn would run in the forked copy of a multi-threaded parent (gRPC, torch and vLLM threads
+# in a test run), where dlopen or any lock another thread held at fork time can deadlock the child
+# before it execs. argv: module, the launcher's pid.
 _TIED_TO_PARENT_BOOT = (
-    "import ctypes, runpy, signal, sys; "
-    f"ctypes.CDLL(None, use_errno=True).prctl({PR_SET_PDEATHSIG}, signal.SIGKILL); "
-    "module = sys.argv.pop(1); "
+    "import runpy, sys; "
+    "from shared.process_tree import die_with_parent; "
+    "module, parent = sys.argv.pop(1), int(sys.argv.pop(1)); "
+    "die_with_parent(parent); "
     "runpy.run_module(module, run_name='__main__', alter_sys=True)"
 )
+# Pause before relaunching a service that failed: doubled after each failure that came soon after
+# its launch, back to the first value once it has run for a while.
+RELAUNCH_PAUSE_S = (1.0, 16.0)
+RAN_FOR_A_WHILE_S = 60.0
 
 
 @dataclass
@@ -104,31 +113,108 @@ class Service:
     log_path: Path | None = None  # None: output goes to this terminal
     tied_to_parent: bool = False
     process: subprocess.Popen[bytes] | None = None
+    # Up: launched and not stopped on purpose since, so a failed exit is relaunched (Supervisor).
+    up: bool = False
+    launched_at: float = 0.0
+    # Held while a process is started or stopped, so a relaunch and a test's restart never overlap.
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def launch(self) -> None:
-        log = open(self.log_path, "ab") if self.log_path else None  # the child keeps its own copy
-        try:
-            command = (
-                [sys.executable, "-c", _TIED_TO_PARENT_BOOT, self.module]
-                if self.tied_to_parent
-                else [sys.executable, "-m", self.module]
-            )
-            self.process = subprocess.Popen(
-                command, env={**os.environ, **self.env}, cwd=REPO, stdout=log,
-                stderr=subprocess.STDOUT if log else None,
-            )  # fmt: skip
-        finally:
-            if log:
-                log.close()
+        with self.lock:
+            log = open(self.log_path, "ab") if self.log_path else None  # the child keeps its own copy
+            try:
+                command = (
+                    [sys.executable, "-c", _TIED_TO_PARENT_BOOT, self.module, str(os.getpid())]
+                    if self.tied_to_parent
+                    else [sys.executable, "-m", self.module]
+                )
+                self.process = subprocess.Popen(
+                    command, env={**os.environ, **self.env}, cwd=REPO, stdout=log,
+                    stderr=subprocess.STDOUT if log else None,
+                )  # fmt: skip
+            finally:
+                if log:
+                    log.close()
+            self.up, self.launched_at = True, time.monotonic()
 
     def stop(self, timeout_s: float = 20) -> None:
-        """SIGTERM (the service drains), SIGKILL after `timeout_s`."""
-        if self.process is not None:
-            _stop(self.process, timeout_s)
+        """SIGTERM (the service drains), SIGKILL after `timeout_s`; not relaunched."""
+        with self.lock:
+            self.up = False
+            process = self.process
+        if process is not None:
+            _stop(process, timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL, no drain; not relaunched."""
+        with self.lock:
+            self.up = False
+            if self.process is not None and self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+
+    def restart(self) -> None:
+        """Kills the process if it runs, and launches it again on the same ports."""
+        with self.lock:
+            self.kill()
+            self.launch()
+
+    def failed(self) -> int | None:
+        """The exit code when the service should run but its process exited with a failure."""
+        with self.lock:
+            code = self.process.poll() if self.up and self.process is not None else None
+            return code if code else None
+
+
+class Supervisor:
+    """Relaunches services that fail, as Kubernetes restarts a container: after a pause that
+    grows while relaunches keep failing. It runs on its own thread, which lives until `stop`:
+    a child tied to its parent dies with the thread that started it (shared/process_tree.py)."""
+
+    def __init__(self, services: list[Service]) -> None:
+        self._services = services
+        self._pause_s = {service.name: RELAUNCH_PAUSE_S[0] for service in services}
+        self._due: dict[str, float] = {}
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stack-supervisor", daemon=True)
+
+    def start(self) -> Supervisor:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stopping.wait(0.2):
+            for service in self._services:
+                self._check(service)
+
+    def _check(self, service: Service) -> None:
+        code = service.failed()
+        if code is None:
+            self._due.pop(service.name, None)
+            return
+        now = time.monotonic()
+        if service.name not in self._due:
+            if now - service.launched_at > RAN_FOR_A_WHILE_S:
+                self._pause_s[service.name] = RELAUNCH_PAUSE_S[0]
+            pause = self._pause_s[service.name]
+            print(f"{service.name} exited with code {code}; relaunching in {pause:.0f}s", file=sys.stderr, flush=True)
+            self._due[service.name] = now + pause
+            self._pause_s[service.name] = min(pause * 2, RELAUNCH_PAUSE_S[1])
+            return
+        if now >= self._due[service.name]:
+            with service.lock:
+                if service.failed() is not None and not self._stopping.is_set():  # nobody relaunched it meanwhile
+                    service.launch()
+            del self._due[service.name]
 
 
 @dataclass(frozen=True)
@@ -165,6 +251,7 @@ class RunningStack:
     encoder: Service
     llms: dict[str, Service]  # by model name
     gateway: Service
+    supervisor: Supervisor
 
     @property
     def services(self) -> dict[str, Service]:
@@ -193,8 +280,9 @@ def wait_healthy(base_url: str, timeout_s: float) -> None:
 
 
 def start(config: StackConfig, stack: ExitStack) -> RunningStack:
-    """Starts Redis if needed, the encoder, one LLM service per model and the gateway; waits until
-    the gateway reports every backend SERVING. Every process is stopped when `stack` closes."""
+    """Starts Redis if needed, the encoder, one LLM service per model and the gateway, supervised;
+    waits until the gateway reports every backend SERVING. Every process is stopped when `stack`
+    closes."""
     ensure_redis(config.redis_url, stack)
     ports = config.ports
     common = {"ENCODER_REDIS_URL": config.redis_url, "LLM_REDIS_URL": config.redis_url, "ENCODER_JSON_LOGS": "false",
@@ -214,9 +302,22 @@ def start(config: StackConfig, stack: ExitStack) -> RunningStack:
                    "GATEWAY_MODELS": json.dumps({name: [llm.target] for name, llm in llms.items()})}  # fmt: skip
     # The gateway gets only its own settings, as it always has (its logs stay JSON).
     gateway = launch("gateway", "gateway", gateway_env, gateway_port, 0, config, stack)
+    # Registered last, so it stops first: nothing is relaunched while the stack stops.
+    supervisor = Supervisor([encoder, *llms.values(), gateway]).start()
+    stack.callback(supervisor.stop)
     base_url = f"http://127.0.0.1:{gateway_port}"
     wait_healthy(base_url, config.start_timeout_s)
-    return RunningStack(base_url, encoder, llms, gateway)
+    return RunningStack(base_url, encoder, llms, gateway, supervisor)
+
+
+def wait_for_stop_signal() -> None:
+    """Returns on SIGINT or SIGTERM. Handled, not blocked: relaunched children would inherit a
+    blocked mask and could not be stopped by SIGTERM any more."""
+    received: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda number, frame: received.append(number))
+    while not received:
+        time.sleep(0.2)
 
 
 def parse_args() -> argparse.Namespace:
@@ -250,9 +351,8 @@ def main() -> None:
         running = start(config, stack)
         if args.command == "serve":
             print(f"serving: {running.base_url}/v1 (models: {', '.join(args.models)}); Ctrl-C stops", flush=True)
-            # Blocked only now, so the children did not inherit the mask.
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+            wait_for_stop_signal()
+            running.supervisor.stop()
             return
         report = run_fanout(running.base_url, running.encoder.target, demo_image(), list(args.models))
         for answer in report.answers:

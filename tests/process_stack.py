@@ -1,16 +1,19 @@
 """The whole stack as real processes, for fault and load tests: our own redis-server (stopped and
 restarted on the same port), the encoder, one LLM service per model and the gateway, launched by
 `scripts/stack.py`'s `start()` on free ports, each with its own /metrics port and log file.
-Tests signal, kill and restart single services; everything is killed when the context ends."""
+Tests signal, kill and restart single services; everything is killed when the context ends.
+The launcher relaunches a service that fails on its own (scripts/stack.py, Supervisor); `restart`
+and the teardown go through the same Service methods, under its lock, so the two never fight."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -32,6 +35,9 @@ class ProcessStack:
     running: RunningStack
     redis: RedisServer
     log_dir: Path
+    # The process each service had when a test last signalled it: the launcher may have replaced
+    # it by a relaunch since, and `wait_exit` is about the one signalled.
+    signalled: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
     def base_url(self) -> str:
@@ -54,30 +60,56 @@ class ProcessStack:
         return process is not None and process.poll() is None
 
     def send(self, name: str, sig: signal.Signals) -> None:
-        os.kill(self.pid(name), sig)
+        process = self.service(name).process
+        assert process is not None
+        self.signalled[name] = process
+        os.kill(process.pid, sig)
 
     def wait_exit(self, name: str, timeout_s: float) -> int:
-        process = self.service(name).process
+        """The exit code of the process last signalled (else the current one)."""
+        process = self.signalled.get(name) or self.service(name).process
         assert process is not None
         return process.wait(timeout=timeout_s)
 
     def restart(self, name: str, timeout_s: float = 180) -> None:
-        """Starts the service again on its ports (killing it first if it still runs); waits until
-        the gateway reports every backend SERVING."""
-        service = self.service(name)
-        if service.process is not None and service.process.poll() is None:
-            service.process.kill()
-            service.process.wait()
-        service.launch()
+        """Starts the service again on its ports (killing it first if it still runs, even when the
+        launcher has just relaunched it); waits until the gateway reports every backend SERVING."""
+        self.service(name).restart()
         self.wait_healthy(timeout_s)
 
     def ensure_running(self) -> None:
-        """Brings back whatever an earlier test stopped."""
+        """Brings back whatever an earlier test stopped, and waits for any relaunch to be SERVING."""
         if self.redis.process is None:
             self.redis.start()
         for name in self.running.services:
             if not self.alive(name):
                 self.restart(name)
+        self.wait_healthy()
+
+    def children(self, name: str) -> dict[int, str]:
+        """The service's child processes now: pid -> command line ("VLLM::EngineCore": vLLM
+        retitles its processes)."""
+        return self.children_of(self.pid(name))
+
+    @staticmethod
+    def children_of(pid: int) -> dict[int, str]:
+        """pid -> command line of each child process of `pid` now."""
+        found = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                parent = int(stat.read_text().rpartition(")")[2].split()[1])
+                command = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:  # gone meanwhile
+                continue
+            if parent == pid:
+                found[int(stat.parent.name)] = command
+        return found
+
+    def engine_core_pid(self, name: str) -> int:
+        """The pid of the vLLM EngineCore under an LLM service on the vllm engine."""
+        cores = [pid for pid, command in self.children(name).items() if "EngineCore" in command]
+        assert len(cores) == 1, f"{name} has no single EngineCore child: {self.children(name)}"
+        return cores[0]
 
     def wait_healthy(self, timeout_s: float = 180) -> None:
         deadline = time.monotonic() + timeout_s
@@ -173,10 +205,9 @@ def process_stack(
             try:
                 yield processes
             finally:  # no drain at teardown: kill, so a stuck test cannot hold the run
+                running.supervisor.stop()
                 for service in running.services.values():
-                    if service.process is not None and service.process.poll() is None:
-                        service.process.kill()
-                        service.process.wait()
+                    service.kill()
     finally:
         if redis_server.process is not None:
             redis_server.stop()

@@ -1,0 +1,183 @@
+"""Service lifecycle against real processes (tests/process_stack.py, both models on vLLM as in
+production): an EngineCore killed as the OOM killer would, an LLM service killed with its engine
+processes, readiness that follows Redis, and a drain that ends when the last stream does.
+One stack for the module; each test starts with every process up and SERVING."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.process_stack import ProcessStack, process_stack
+
+# Tiny checkpoints on vLLM: a small KV cache, and eager mode so a relaunch starts in seconds.
+VLLM_ENV = {"LLM_ENGINE": "vllm", "LLM_KV_CACHE_GIB": "1", "LLM_MAX_MODEL_LEN": "2048", "LLM_ENFORCE_EAGER": "true"}
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.fixture(scope="module")
+def processes(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessStack]:
+    with process_stack(checkpoints, tmp_path_factory.mktemp("lifecycle"), env=VLLM_ENV) as running:
+        yield running
+
+
+@pytest.fixture
+def stack(processes: ProcessStack) -> ProcessStack:
+    processes.ensure_running()
+    return processes
+
+
+def chat(stack: ProcessStack, model: str, max_tokens: int = 4) -> httpx.Response:
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+    return httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=60)
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie (a killed orphan stays one until init reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_for(condition: Any, timeout_s: float, what: str, stack: ProcessStack) -> float:
+    """Seconds until `condition()` held; fails after `timeout_s`."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout_s, f"{what} not within {timeout_s}s\n{stack.log_tails()}"
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+class HealthWatch:
+    """A health Watch on a service, read on a thread: the statuses it reported, with their times."""
+
+    def __init__(self, target: str) -> None:
+        self._channel = grpc.insecure_channel(target)
+        self._call = health_pb2_grpc.HealthStub(self._channel).Watch(health_pb2.HealthCheckRequest(), timeout=300)
+        self.seen: list[tuple[float, int]] = []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for reply in self._call:
+                self.seen.append((time.monotonic(), reply.status))
+        except grpc.RpcError:  # cancelled, or the server went away
+            pass
+
+    def first(self, status: int) -> float | None:
+        return next((at for at, seen in self.seen if seen == status), None)
+
+    def close(self) -> None:
+        self._call.cancel()
+        self._channel.close()
+
+
+def test_a_killed_engine_core_turns_the_service_not_serving_503s_exits_and_is_relaunched(stack: ProcessStack) -> None:
+    service = stack.service("ft-a")
+    old = service.process
+    assert old is not None
+    watch = HealthWatch(service.target)
+    try:
+        wait_for(lambda: watch.first(SERVING) is not None, 10, "the watch's first SERVING", stack)
+        os.kill(stack.engine_core_pid("ft-a"), signal.SIGKILL)  # as the OOM killer would
+        killed_at = time.monotonic()
+        down = chat(stack, "ft-a")
+        assert down.status_code == 503, down.text  # was 500 (EngineDeadError) forever
+        assert down.headers["retry-after"] == "1" and down.json()["error"]["code"] == "unavailable"
+        wait_for(lambda: watch.first(NOT_SERVING) is not None, 5, "NOT_SERVING on the watch", stack)
+        not_serving_after = watch.first(NOT_SERVING) - killed_at  # type: ignore[operator]
+        assert not_serving_after < 1.5, f"NOT_SERVING {not_serving_after:.2f}s after the engine died"
+    finally:
+        watch.close()
+    assert old.wait(timeout=15) == 1, "a service whose engine died must exit non-zero, to be restarted"
+    wait_for(lambda: service.process is not old and stack.alive("ft-a"), 30, "the relaunch", stack)
+    stack.wait_healthy()
+    again = chat(stack, "ft-a")
+    assert again.status_code == 200, again.text
+
+
+def test_a_killed_llm_service_takes_its_engine_processes_with_it(stack: ProcessStack) -> None:
+    children = stack.children("ft-b")
+    core = stack.engine_core_pid("ft-b")
+    workers = list(stack.children_of(core))
+    assert workers, "vLLM's EngineCore runs its model in a worker process on CPU"
+    tree = [*children, *workers]
+    stack.send("ft-b", signal.SIGKILL)
+    gone_after = wait_for(lambda: not any(alive(pid) for pid in tree), 5, f"the end of ft-b's children {tree}", stack)
+    print(f"engine processes gone {gone_after:.2f}s after the service was killed")
+
+
+def test_readiness_follows_redis_and_a_service_starts_while_redis_is_down(stack: ProcessStack) -> None:
+    services = ("encoder", "ft-a")
+    stack.redis.stop()
+    try:
+        for name in services:
+            wait_for(lambda name=name: stack.grpc_health(name) == "NOT_SERVING", 4, f"{name} NOT_SERVING", stack)
+        stack.service("encoder").restart()  # down at start: it must start all the same, NOT_SERVING
+        wait_for(lambda: stack.grpc_health("encoder") == "NOT_SERVING", 120, "the encoder up, NOT_SERVING", stack)
+        time.sleep(2)  # and stays so while Redis is down
+        assert stack.grpc_health("encoder") == "NOT_SERVING" and stack.grpc_health("ft-a") == "NOT_SERVING"
+    finally:
+        stack.redis.start()
+    for name in services:
+        back = wait_for(lambda name=name: stack.grpc_health(name) == "SERVING", 5, f"{name} SERVING again", stack)
+        print(f"{name} SERVING {back:.2f}s after Redis returned")
+    assert chat(stack, "ft-a").status_code == 200
+
+
+def test_sigterm_exits_as_soon_as_the_last_stream_ends_not_after_the_grace(stack: ProcessStack) -> None:
+    """LLM_GRACE_S is 60 (tests/process_stack.py); a health Watch stays open throughout, as a
+    client-side health checker keeps one: grpc's own stop(grace) waited the whole 60 s for it."""
+    service = stack.service("ft-b")
+    process = service.process
+    assert process is not None
+    watch = HealthWatch(service.target)
+    payloads: list[tuple[float, str]] = []
+    first_text = threading.Event()
+
+    def read_stream() -> None:
+        body = {"model": "ft-b", "max_tokens": 800, "temperature": 0, "stream": True,
+                "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+        with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    payloads.append((time.monotonic(), line.removeprefix("data: ")))
+                    if len(payloads) == 2:
+                        first_text.set()
+
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            reader = pool.submit(read_stream)
+            assert first_text.wait(60), "the stream never started"
+            process.send_signal(signal.SIGTERM)
+            terminated_at = time.monotonic()
+            reader.result(timeout=120)
+        ended_at = payloads[-1][0]
+        assert process.wait(timeout=60) == 0
+        exited_at = time.monotonic()
+    finally:
+        watch.close()
+    last = json.loads(payloads[-2][1])
+    assert payloads[-1][1] == "[DONE]" and "error" not in last, last
+    assert last["choices"][0]["finish_reason"] == "length", "the stream was cut, not drained"
+    assert ended_at > terminated_at, "the stream ended before SIGTERM: nothing was drained"
+    print(f"stream ended {ended_at - terminated_at:.2f}s after SIGTERM; exit {exited_at - ended_at:.2f}s after that")
+    # gRPC is done ~1 s after the stream; vLLM's own engine shutdown then takes up to ~5 s (its
+    # EngineCore exit timeout, then SIGKILL) on these loaded 2 cores. Before: the whole 60 s grace.
+    assert exited_at - ended_at < 12, f"exited {exited_at - ended_at:.1f}s after its last stream ended"
+    time.sleep(2)  # exit 0 is a stop someone asked for: the launcher leaves it down
+    assert service.process is process
