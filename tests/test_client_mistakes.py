@@ -161,3 +161,23 @@ def test_the_stack_answers_after_the_mistakes(stack: Stack, model: str) -> None:
     response = _send(stack.base_url, body, {})
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+ENCODE_CASES = [
+    ("aspect ratio over 200", {"image_url": _image(2010, 10)}, 400, "ratio"),
+    ("max_pixels past the server's limit", {"image_url": _image(64, 64), "max_pixels": 16_777_216}, 400, "limit"),
+    ("min_pixels as a string", {"image_url": _image(64, 64), "min_pixels": "1000"}, 400, "min_pixels"),
+    ("file URL", {"image_url": "file:///etc/passwd"}, 400, "image URL"),
+    ("unreachable host", {"image_url": "http://127.0.0.1:9/cat.png"}, 400, "image URL"),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "status", "says"), ENCODE_CASES, ids=[c[0] for c in ENCODE_CASES])
+def test_encode_endpoint_mistakes_are_4xx_naming_the_problem(
+    stack: Stack, name: str, body: dict, status: int, says: str
+) -> None:
+    response = httpx.post(f"{stack.base_url}/v1/images/encode", json=body, timeout=60)
+    assert response.status_code == status, response.text[:500]
+    assert response.headers.get("x-request-id")
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and says in error["message"], error
