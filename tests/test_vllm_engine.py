@@ -21,6 +21,7 @@ from llm_service.engines.base import EngineRequest, GenerationDelta, SamplingPar
 from llm_service.engines.transformers_engine import TransformersEngine  # noqa: E402
 from llm_service.engines.vllm_engine import VLLMEngine, _concat_rows  # noqa: E402
 from llm_service.prompt import ChatTurn, MediaSlot, PromptBuilder  # noqa: E402
+from shared.errors import InvalidInput  # noqa: E402
 from tests.model_fixtures import make_image  # noqa: E402
 from tests.reference import reference_greedy_tokens  # noqa: E402
 
@@ -245,7 +246,8 @@ async def test_rejects_inconsistent_request(engines: Engines, encoder, images) -
         await _collect(fast, replace(good, image_grid_thw=torch.zeros((0, 3), dtype=torch.int64)))
     with pytest.raises(ValueError, match="uuids"):
         await _collect(fast, replace(good, image_uuids=["a", "b"]))
-    with pytest.raises(ValueError, match="max_model_len|maximum|longer"):
+    # A client fault vLLM detects is a domain error (the service checks length before the engine).
+    with pytest.raises(InvalidInput, match="max_model_len|maximum|longer"):
         await _collect(fast, replace(good, prompt_token_ids=good.prompt_token_ids + [1] * 1024))
     assert fast.num_unfinished_requests() == 0
 
