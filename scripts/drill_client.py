@@ -95,10 +95,13 @@ async def one_request(client: httpx.AsyncClient, workload: Workload, rng: random
     body = _body(workload, rng, model)
     hang_up = rng.random() < workload.disconnect_rate
     if hang_up and rng.random() < 0.5:  # before the response head: the request is sent, then dropped
-        task = asyncio.create_task(client.post("/v1/chat/completions", json=body))
-        await asyncio.sleep(rng.uniform(0.0, 0.3))
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        # On a connection of its own: a request cancelled mid-flight would leave the loop's pooled
+        # connection unusable, and closing this client closes the socket, which the gateway sees.
+        async with httpx.AsyncClient(base_url=workload.base_url, timeout=workload.timeout_s) as throwaway:
+            task = asyncio.create_task(throwaway.post("/v1/chat/completions", json=body))
+            await asyncio.sleep(rng.uniform(0.0, 0.3))
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         return "disconnected", "before the head"
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
