@@ -78,6 +78,11 @@ class ServerSecurity:
         return server.add_secure_port(address, grpc.ssl_server_credentials([self.tls_key_pair]))
 
 
+# The health service name that liveness (and startup) probes ask for. It is SERVING from the moment
+# the server starts until it stops, whatever Redis or other dependencies do: readiness ("" and the
+# service names) follows them, and a liveness probe on readiness would restart every pod of the
+# fleet during a Redis outage, which a restart cannot fix.
+LIVENESS_SERVICE = "liveness"
 # Calls that stay open for as long as their client likes: a drain neither counts nor waits for them.
 OPEN_ENDED_METHODS = frozenset({"/grpc.health.v1.Health/Watch"})
 # Once the last counted call has returned, how long its final status gets to reach the client
@@ -195,6 +200,7 @@ async def start_server(
     await server.start()
     running = RunningServer(server, health_servicer, port, names, in_flight)
     await running.set_serving(False)
+    await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     return running
 
 

@@ -122,11 +122,13 @@ class ProcessStack:
             time.sleep(0.2)
         raise AssertionError(f"stack not healthy after {timeout_s}s\n{self.log_tails()}")
 
-    def grpc_health(self, name: str) -> str:
-        """SERVING / NOT_SERVING as the service itself reports it, or the RPC error's code name."""
+    def grpc_health(self, name: str, health_service: str = "") -> str:
+        """SERVING / NOT_SERVING as the service itself reports it (readiness; "liveness" for the
+        liveness probes' service), or the RPC error's code name."""
         with grpc.insecure_channel(self.service(name).target) as channel:
+            request = health_pb2.HealthCheckRequest(service=health_service)
             try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+                reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=2)
             except grpc.RpcError as error:
                 return error.code().name
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

@@ -179,15 +179,20 @@ NS = "vlm"
 REDIS_URL = "redis://redis.vlm.svc.cluster.local:6379/0"
 
 
+def _liveness(probe: Doc) -> Doc:
+    """A gRPC probe asks the liveness service; others are the same for every kind."""
+    return {"grpc": {**probe["grpc"], "service": "liveness"}} if "grpc" in probe else probe
+
+
 def _server(name: str, port: tuple[str, int], settings: dict[str, str], probe: Doc) -> Doc:
     return {
         "name": name,
         "image": f"example/{name}:1.0",
         "ports": [{"name": port[0], "containerPort": port[1]}],
         "env": [{"name": k, "value": v} for k, v in settings.items()],
-        "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 60},
+        "startupProbe": {**_liveness(probe), "periodSeconds": 10, "failureThreshold": 60},
         "readinessProbe": probe,
-        "livenessProbe": probe,
+        "livenessProbe": _liveness(probe),
         "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
         "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "2Gi"}},
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}},
@@ -323,6 +328,8 @@ BREAKAGES: list[tuple[str, str, Breakage]] = [
     ("routing", "has no key 'encoder'", lambda d: _data(d).pop("encoder")),
     ("probes", "port 50052 is not a declared", lambda d: _ctr(d, "encoder")["readinessProbe"].update(grpc={"port": 50052})),
     ("probes", "no livenessProbe", lambda d: _ctr(d, "gateway").pop("livenessProbe")),
+    ("probes", "livenessProbe asks gRPC health service ''", lambda d: _ctr(d, "encoder")["livenessProbe"]["grpc"].pop("service")),
+    ("probes", "startupProbe asks gRPC health service ''", lambda d: _ctr(d, "llm-ft-a")["startupProbe"]["grpc"].pop("service")),
     ("probes", "startupProbe allows 30s", lambda d: _ctr(d, "llm-ft-a")["startupProbe"].update(failureThreshold=3)),
     ("probes", "LLM_PORT=50062 but no containerPort", lambda d: _set_env(d, "llm-ft-a", "LLM_PORT", {"value": "50062"})),
     ("quantities", "did you mean Mi/Gi", lambda d: _res(d, "encoder", "limits").update(memory="512m")),

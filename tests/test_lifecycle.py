@@ -131,6 +131,8 @@ def test_readiness_follows_redis_and_a_service_starts_while_redis_is_down(stack:
         wait_for(lambda: stack.grpc_health("encoder") == "NOT_SERVING", 120, "the encoder up, NOT_SERVING", stack)
         time.sleep(2)  # and stays so while Redis is down
         assert stack.grpc_health("encoder") == "NOT_SERVING" and stack.grpc_health("ft-a") == "NOT_SERVING"
+        # Liveness stays SERVING: Kubernetes must not restart pods for an outage of Redis.
+        assert all(stack.grpc_health(name, "liveness") == "SERVING" for name in services)
     finally:
         stack.redis.start()
     for name in services:

@@ -22,6 +22,8 @@ from deploy.lint.manifests import (
     workloads,
 )  # fmt: skip
 
+# The gRPC health service name that only says "the process serves" (shared/grpc_server.py).
+LIVENESS_SERVICE = "liveness"
 MIN_MODEL_STARTUP_S = 300  # a model server's startup probe must allow at least this long
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
@@ -191,8 +193,9 @@ def _target_findings(docs: list[Doc], gateway: Doc, target: str | None, setting:
 
 
 def probes(docs: list[Doc]) -> list[str]:
-    """Readiness and liveness everywhere, probe ports that exist, port settings that match the
-    declared ports, and model servers with a startup probe long enough to load the model."""
+    """Readiness and liveness everywhere, probe ports that exist, gRPC liveness and startup probes
+    on the liveness service (not readiness), port settings that match the declared ports, and model
+    servers with a startup probe long enough to load the model."""
     found = []
     for w in workloads(docs):
         for c in containers(w, init=False):
@@ -204,6 +207,13 @@ def probes(docs: list[Doc]) -> list[str]:
                 port = _probe_port(c.get(kind, {}))
                 if port is not None and port not in numbers | names_:
                     found.append(f"{where}: {kind} port {port!r} is not a declared container port")
+            for kind in ("startupProbe", "livenessProbe"):
+                service = c.get(kind, {}).get("grpc", {}).get("service", "")
+                if "grpc" in c.get(kind, {}) and service != LIVENESS_SERVICE:
+                    found.append(
+                        f"{where}: {kind} asks gRPC health service {service!r}, which follows Redis (readiness): "
+                        f"an outage would restart the pod; ask service {LIVENESS_SERVICE!r}"
+                    )
             for name, entry in env(c).items():
                 value = entry.get("value")
                 if name.endswith("_PORT") and value is not None and value.isdigit() and int(value) not in numbers:
