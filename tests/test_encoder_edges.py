@@ -84,7 +84,7 @@ def test_get_embedding_never_returns_a_value_that_is_not_one_of_its_blobs(
                 with pytest.raises(error) as raised:
                     client.get_embedding(key)
                 assert "hunter2" not in str(raised.value) and raised.value.param == "key", key
-            real = client.encode(image_bytes=png_bytes(301))
+            real = client.encode(image_bytes=png_bytes(5301))
             blob = decode_blob(client.get_embedding(real.key), encoder.core.rules)  # its own blobs still read back
             assert blob.num_tokens == real.num_tokens
     finally:
@@ -107,7 +107,7 @@ def test_a_10k_character_key_is_invalid_argument_with_a_short_message(encoder: E
 
 def test_pixel_bounds_past_the_checkpoint_default_are_refused_naming_the_limit(encoder: EncoderServer) -> None:
     limit = encoder.core.vision.default_max_pixels
-    image = png_bytes(302)
+    image = png_bytes(5302)
     with EncoderClient(_target(encoder)) as client:
         with pytest.raises(InvalidInput, match=f"limit of {limit}") as too_big:
             client.encode(image_bytes=image, max_pixels=limit + 1)
@@ -162,11 +162,11 @@ def test_a_small_image_finishes_while_a_huge_one_is_still_encoding(roomy_encoder
     async def race() -> bool:
         async with AsyncEncoderClient(_target(roomy_encoder)) as client:
             huge = asyncio.create_task(
-                client.encode(image_bytes=png_bytes(303, (64, 64)), min_pixels=HUGE_SIDE**2, max_pixels=HUGE_SIDE**2)
+                client.encode(image_bytes=png_bytes(5303, (64, 64)), min_pixels=HUGE_SIDE**2, max_pixels=HUGE_SIDE**2)
             )
             # The small image arrives once the huge one's forward pass is under way.
             assert await asyncio.to_thread(huge_started.wait, 120)
-            await client.encode(image_bytes=png_bytes(304))
+            await client.encode(image_bytes=png_bytes(5304))
             small_first = not huge_done.is_set()
             assert (await huge).grid_thw == [1, HUGE_SIDE // 14, HUGE_SIDE // 14]
             return small_first

@@ -22,7 +22,7 @@ from tests.images import png_bytes
 
 FETCH_TIMEOUT_S = 1.5
 MARGIN_S = 1.5  # scheduling slack on busy CI cores; a retry or a per-read timeout costs far more
-IMAGE = png_bytes(401)
+IMAGE = png_bytes(4401)  # a seed no other test of the session stores
 
 
 class _Server(socketserver.ThreadingTCPServer):
