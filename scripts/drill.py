@@ -20,6 +20,7 @@ import asyncio
 import io
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -81,6 +82,7 @@ class DrillReport:
             lines.append(f"| {fault.name} | {fault.began_s:.1f} | {ended} | {first} |")
         lines += ["", f"healthy at the end (GET /health 200): {self.healthy_at_end}",
                   f"every process alive at the end: {self.processes_alive_at_end}"]  # fmt: skip
+        lines += ["", "lost (first 20):", *(f"- {sample}" for sample in self.lost_samples)] if self.lost_samples else []
         return "\n".join(lines)
 
 
@@ -148,15 +150,20 @@ class Drill:
         time.sleep(3.0)
         self.redis.start()
 
+    def _relaunched(self, model: str) -> Callable[[], bool]:
+        """A check that passes once the launcher has replaced the model's process (asked now, before
+        the fault) and the new one reports SERVING. A health check alone could pass before the
+        fault has even been noticed, or time out under load and look like one."""
+        service = self.running.llms[model]
+        before = service.process.pid  # type: ignore[union-attr]
+        return lambda: service.process is not None and service.process.pid != before and serving(service.target)
+
     def _kill_service(self, model: str) -> None:
         os.kill(self.running.llms[model].process.pid, signal.SIGKILL)  # type: ignore[union-attr]
-        time.sleep(1.0)  # let the launcher see it gone before health is asked again
 
     def _kill_engine_core(self, model: str) -> None:
+        # The service notices, reports NOT_SERVING, drains and exits 1; the launcher relaunches it.
         os.kill(engine_core_pid(self.running.llms[model].process.pid), signal.SIGKILL)  # type: ignore[union-attr]
-        deadline = time.monotonic() + 30  # the service notices, reports NOT_SERVING and exits
-        while serving(self.running.llms[model].target) and time.monotonic() < deadline:
-            time.sleep(0.1)
 
     async def faults_in_turn(self) -> None:
         def redis_up() -> bool:
@@ -164,11 +171,10 @@ class Drill:
 
         plan = [
             (0.10, "Redis restart 1", None, self._restart_redis, redis_up),
-            (0.30, "LLM service ft-b killed (-9)", "ft-b", lambda: self._kill_service("ft-b"),
-             lambda: serving(self.running.llms["ft-b"].target)),
+            (0.30, "LLM service ft-b killed (-9)", "ft-b", lambda: self._kill_service("ft-b"), self._relaunched("ft-b")),
             (0.50, "Redis restart 2", None, self._restart_redis, redis_up),
             (0.65, "vLLM EngineCore of ft-a killed (-9)", "ft-a", lambda: self._kill_engine_core("ft-a"),
-             lambda: serving(self.running.llms["ft-a"].target)),
+             self._relaunched("ft-a")),
         ]  # fmt: skip
         for at, name, model, inflict, healed in plan:
             await asyncio.sleep(max(0.0, at * self.duration_s - self._now()))
@@ -244,10 +250,13 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, default=60.0)
     parser.add_argument("--checkpoints-dir", type=Path, default=REPO / "checkpoints")
     parser.add_argument("--json", type=Path, help="also write the report here as JSON")
+    parser.add_argument("--logs", type=Path, help="keep each service's log here (default: dropped with the run)")
     args = parser.parse_args()
     checkpoints = build_all(args.checkpoints_dir)
     with tempfile.TemporaryDirectory(prefix="drill-") as workdir:
         report = run_drill(checkpoints, Path(workdir), args.clients, args.duration_s)
+        if args.logs:
+            shutil.copytree(Path(workdir) / "logs", args.logs, dirs_exist_ok=True)
     print(report.table())
     if args.json:
         args.json.write_text(json.dumps(asdict(report), indent=2))

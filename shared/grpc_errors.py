@@ -7,6 +7,7 @@ gateway can rebuild the exact error class (and re-encode on a missing key).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -38,6 +39,18 @@ async def _abort(context: grpc.aio.ServicerContext, error: ServiceError) -> None
     await context.abort(error.kind.grpc_code, error.message)
 
 
+async def _answer_cancellation(context: grpc.aio.ServicerContext, cancelled: asyncio.CancelledError) -> None:
+    """A call whose work was cancelled. When grpc cancelled the call itself (its client hung up,
+    its deadline passed, the server is stopping), this task was asked to cancel and nobody waits
+    for an answer: the cancellation goes on. When work the call awaited was cancelled under it (an
+    engine shutting down), grpc would end the call without a status and the client would wait for
+    its deadline: it is answered Unavailable (503, retry), the service is going away."""
+    task = asyncio.current_task()
+    if task is None or task.cancelling() > 0:
+        raise cancelled
+    await _abort(context, Unavailable("the service stopped this call (it is shutting down); retry"))
+
+
 def _is_abort(error: Exception) -> bool:
     # context.abort() raises AbortError after setting the status; let it through.
     return isinstance(error, grpc.aio.AbortError)
@@ -49,6 +62,8 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaita
             return await behavior(request, context)
         except ServiceError as error:
             await _abort(context, error)
+        except asyncio.CancelledError as cancelled:
+            await _answer_cancellation(context, cancelled)
         except Exception as error:
             if _is_abort(error):
                 raise
@@ -65,6 +80,8 @@ def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., A
                 yield item
         except ServiceError as error:
             await _abort(context, error)
+        except asyncio.CancelledError as cancelled:
+            await _answer_cancellation(context, cancelled)
         except Exception as error:
             if _is_abort(error):
                 raise
@@ -95,7 +112,10 @@ def error_from_rpc(error: grpc.RpcError, target: str = "backend") -> ServiceErro
     metadata = error.trailing_metadata() if hasattr(error, "trailing_metadata") else ()
     code = _metadata_value(metadata, CODE_KEY)
     param = _metadata_value(metadata, PARAM_KEY)
-    if code is None and status == grpc.StatusCode.UNAVAILABLE:
+    # CANCELLED reaches a caller only when the server cancelled the call (a caller that cancels
+    # reads nothing more): the server is going away, as after its engine died or its drain ended.
+    # Like a lost connection, that is a 503 the client may retry, not a server bug.
+    if code is None and status in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return Unavailable(f"{target} is unavailable: {details}")
     cls = error_class_for(status, code)
     if cls is EmbeddingNotFound:

@@ -1,0 +1,58 @@
+"""A call the server cancels (it is stopping: its drain ran out, or its engine died) reaches the
+client as Unavailable (503, retry elsewhere), not as an internal error (500). Real gRPC server and
+the SDK client, no mocks of either."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from shared.errors import Unavailable
+from shared.grpc_server import start_server
+from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc
+from shared.sdk import AsyncLLMClient, Message
+
+
+class SlowLLM(llm_pb2_grpc.LLMServiceServicer):
+    """Waits on work (as Generate waits on its engine) until the server stops or the work is
+    cancelled under it (as when vLLM's engine shuts down)."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.work: asyncio.Task[None] | None = None
+
+    async def Generate(
+        self, request: llm_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[llm_pb2.GenerateChunk]:
+        self.work = asyncio.create_task(asyncio.sleep(60))
+        self.started.set()
+        await self.work
+        yield llm_pb2.GenerateChunk(text="never")
+
+
+@pytest.mark.parametrize("how", ["server stopped at once", "grace ran out", "work cancelled under the call"])
+async def test_a_call_the_server_cancels_is_unavailable(how: str) -> None:
+    servicer = SlowLLM()
+    running = await start_server(
+        lambda server: llm_pb2_grpc.add_LLMServiceServicer_to_server(servicer, server),
+        ["llm.v1.LLMService"], "127.0.0.1:0", 4 * 1024 * 1024,
+    )  # fmt: skip
+    async with AsyncLLMClient(f"127.0.0.1:{running.port}", timeout_s=30) as client:
+
+        async def consume() -> None:
+            async for _ in client.generate("m", [Message("user", ["hi"])]):
+                pass
+
+        call = asyncio.create_task(consume())
+        await asyncio.wait_for(servicer.started.wait(), 10)
+        if how == "work cancelled under the call":
+            assert servicer.work is not None
+            servicer.work.cancel()
+        else:
+            await running.server.stop(0.0 if how == "server stopped at once" else 0.2)
+        with pytest.raises(Unavailable):
+            await asyncio.wait_for(call, 10)
+    await running.server.stop(0)
