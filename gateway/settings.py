@@ -7,8 +7,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.grpc_limits import DEFAULT_GRPC_MAX_MESSAGE_BYTES
 from shared.sdk import ChannelConfig
-from shared.settings import DEFAULT_GRPC_MAX_MESSAGE_BYTES
 
 
 class GatewaySettings(BaseSettings):

@@ -6,12 +6,9 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import BaseSettings
 
+from shared.grpc_limits import DEFAULT_GRPC_MAX_MESSAGE_BYTES
 from shared.grpc_server import ServerSecurity
 from shared.store import StoreConfig
-
-# gRPC refuses messages over 4 MB unless both ends raise the limit; embedding
-# blobs of large images exceed that, so servers and clients share this default.
-DEFAULT_GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class StoreSettings(BaseSettings):

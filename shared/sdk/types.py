@@ -8,9 +8,9 @@ from typing import Literal
 
 import grpc
 
+from shared.grpc_limits import DEFAULT_GRPC_MAX_MESSAGE_BYTES
 from shared.pb.encoder.v1 import encoder_pb2
 from shared.pb.llm.v1 import llm_pb2
-from shared.settings import DEFAULT_GRPC_MAX_MESSAGE_BYTES
 
 _FINISH_NAMES = {llm_pb2.FINISH_REASON_STOP: "stop", llm_pb2.FINISH_REASON_LENGTH: "length"}
 # Idempotent RPCs are retried by gRPC itself on UNAVAILABLE; Generate never is
