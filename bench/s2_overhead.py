@@ -35,7 +35,7 @@ from bench.weights import count_weights
 from bench.workload import QUESTIONS, chat_body
 from scripts.stack import free_port
 from shared.blob import BlobRules, EmbeddingBlob, encode_blob
-from shared.checkpoints import compute_encoder_id
+from shared.encoder_id import compute_encoder_id
 from shared.keys import embedding_key
 
 CONCURRENCY = 32

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from shared.checkpoints import VISION_PREFIXES
+from shared.encoder_id import VISION_PREFIXES
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -17,7 +17,7 @@ from encoder_service.resize import PixelPolicy
 from encoder_service.servicer import EncoderServicer
 from encoder_service.settings import EncoderSettings
 from encoder_service.vision import Preprocessed, VisionEncoder
-from shared.checkpoints import compute_encoder_id
+from shared.encoder_id import compute_encoder_id
 from shared.grpc_server import RunningServer, start_server
 from shared.model_paths import resolve_checkpoint
 from shared.pb.encoder.v1 import encoder_pb2, encoder_pb2_grpc

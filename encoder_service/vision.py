@@ -19,10 +19,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransforme
 
 from encoder_service.batch_invariant import make_batch_invariant
 from encoder_service.resize import check_aspect_ratio
-
-# transformers 5.x save_pretrained writes the hub layout (`visual.`); in-memory 5.x names use
-# `model.visual.`. Accept both so checkpoints from any version load.
-VISION_PREFIXES = ("model.visual.", "visual.")
+from shared.encoder_id import VISION_PREFIXES
 
 # One preprocessed image: pixel_values [patches, C*T*P*P] float32, grid_thw [1, 3] int64.
 Preprocessed = tuple[torch.Tensor, torch.Tensor]

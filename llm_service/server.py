@@ -17,7 +17,7 @@ from llm_service.servicer import LLMServicer
 from llm_service.settings import LLMSettings
 from shared import readiness
 from shared.blob import BlobRules
-from shared.checkpoints import compute_encoder_id
+from shared.encoder_id import compute_encoder_id
 from shared.grpc_server import RunningServer, start_server
 from shared.model_paths import resolve_checkpoint
 from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc

@@ -25,12 +25,12 @@ from shared.checkpoints import (
     SPECIAL_TOKENS,
     build_tokenizer,
     is_complete,
-    is_vision_key,
     preprocessor_config,
     save_checkpoint,
     staging,
     tiny_config,
 )
+from shared.encoder_id import is_vision_key
 
 STORED_DTYPE = torch.bfloat16
 BENCH_MIN_PIXELS = 56 * 56

@@ -11,7 +11,6 @@ CLI: ``python -m shared.checkpoints --out DIR`` builds DIR/base, DIR/ft-a and DI
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -27,8 +26,9 @@ from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, tr
 from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
 
+from shared.encoder_id import is_vision_key
+
 WEIGHTS_FILE = "model.safetensors"
-VISION_PREFIXES = ("model.visual.", "visual.")
 REQUIRED_FILES = (
     "config.json",
     "generation_config.json",
@@ -272,47 +272,8 @@ def build_finetune(base_dir: Path, out_dir: Path, seed: int) -> Path:
     return out_dir
 
 
-def compute_encoder_id(checkpoint_dir: Path) -> str:
-    """`qwen2vl-<16 hex>` over the vision-tower tensors and the image preprocessing config.
-
-    Tensor names are hashed without their layout prefix (`visual.` or `model.visual.`), so one
-    tower saved by two transformers versions gets one id.
-    """
-    checkpoint_dir = Path(checkpoint_dir)
-    digest = hashlib.sha256()
-    for path in sorted(checkpoint_dir.glob("*.safetensors")):
-        with safe_open(path, framework="pt") as f:
-            for key in sorted(k for k in f.keys() if is_vision_key(k)):
-                tensor = f.get_tensor(key).contiguous()
-                header = f"{_strip_vision_prefix(key)}|{tensor.dtype}|{list(tensor.shape)}|"
-                digest.update(header.encode())
-                digest.update(tensor.view(torch.uint8).numpy())  # hashed in place: no copy of the weights
-    preprocessor = json.loads((checkpoint_dir / "preprocessor_config.json").read_text())
-    vision_config = json.loads((checkpoint_dir / "config.json").read_text())["vision_config"]
-    for volatile in ("dtype", "torch_dtype", "transformers_version", "_name_or_path"):
-        vision_config.pop(volatile, None)
-    digest.update(_canonical_json(preprocessor).encode())
-    digest.update(_canonical_json(vision_config).encode())
-    return f"qwen2vl-{digest.hexdigest()[:16]}"
-
-
 def is_complete(checkpoint_dir: Path) -> bool:
     return all((Path(checkpoint_dir) / name).is_file() for name in REQUIRED_FILES)
-
-
-def is_vision_key(key: str) -> bool:
-    return key.startswith(VISION_PREFIXES)
-
-
-def _strip_vision_prefix(key: str) -> str:
-    for prefix in VISION_PREFIXES:
-        if key.startswith(prefix):
-            return key[len(prefix) :]
-    return key
-
-
-def _canonical_json(value: object) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 def write_json(path: Path, value: object) -> None:

@@ -17,7 +17,7 @@ from encoder_service.vision import VisionEncoder
 from llm_service.engines.base import EngineRequest, GenerationDelta, SamplingParams
 from llm_service.engines.transformers_engine import TransformersEngine
 from llm_service.prompt import ChatTurn, MediaSlot, PromptBuilder
-from shared.checkpoints import compute_encoder_id
+from shared.encoder_id import compute_encoder_id
 from tests.model_fixtures import build_test_checkpoints, make_image
 from tests.reference import reference_greedy_tokens
 
