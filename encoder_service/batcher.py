@@ -13,9 +13,9 @@ one more item is on its way; the batch then waits for exactly the items that exi
 guessed interval. Items that arrive while a batch runs are queued for the next one.
 
 Why cost and lanes: a forward pass costs about its patch count (attention more than linearly),
-and images differ in cost by 1,000x or more (a 16.7 M-pixel image took 52 s; a small image
-behind it waited 40 s). Counting items alone, a small image that shares a pass with a huge one,
-or queues behind it, waits for the huge one. Two measures, because each covers what the other
+and a client's pixel bounds can give one image hundreds of times the pixels of a default one.
+Counting items alone, a small image that shares a pass with a huge one, or queues behind it,
+waits for the huge one. Two measures, because each covers what the other
 cannot:
 - a batch's cost (patches) is capped, so a pass never grows past a bound; an item that alone
   exceeds it runs alone. Items leave the queue in order: capping never skips ahead.
