@@ -54,7 +54,7 @@ protos: venv
 	$(PY) scripts/gen_protos.py
 
 checkpoints: venv
-	$(PY) -m shared.checkpoints --out checkpoints
+	$(PY) -m model_builders.tiny --out checkpoints
 
 clean:
 	rm -rf $(VENV) checkpoints .pytest_cache

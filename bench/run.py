@@ -27,8 +27,8 @@ from bench.report import write_report
 from bench.s1_fanout import FanoutOptions
 from bench.s2_overhead import OverheadOptions
 from scripts.stack import ensure_redis, free_port
-from shared.bench_checkpoint import build_bench_all
-from shared.checkpoints import build_all
+from model_builders.bench import build_bench_all
+from model_builders.tiny import build_all
 
 TITLES = {"1": "Fan-out VQA", "2": "Overhead of our path", "3": "Transport", "4": "Encoder batching"}
 

@@ -43,7 +43,7 @@ from scripts.drill_client import OUTCOMES, Tally, Workload, client_loop  # noqa:
 from scripts.fanout import image_data_url  # noqa: E402
 from scripts.redis_process import RedisServer  # noqa: E402
 from scripts.stack import Ports, RunningStack, StackConfig, redis_answers, start  # noqa: E402
-from shared.checkpoints import build_all  # noqa: E402
+from model_builders.tiny import build_all  # noqa: E402
 
 MODELS = ("ft-a", "ft-b")
 # Tiny checkpoints on vLLM: a small KV cache and eager mode (a relaunch starts in seconds, not a minute).

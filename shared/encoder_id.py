@@ -2,7 +2,7 @@
 
 Fine-tunes that share the tower share the id, so one stored blob serves all of them; an LLM
 service accepts blobs of the ids it knows (DESIGN.md, Contracts). Both servers derive it from a
-checkpoint here, apart from the test-checkpoint builder (shared/checkpoints.py).
+checkpoint here, apart from the test-checkpoint builder (model_builders/tiny.py).
 """
 
 from __future__ import annotations

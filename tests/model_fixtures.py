@@ -1,4 +1,4 @@
-"""Tiny checkpoints and deterministic images for tests (see shared/checkpoints.py)."""
+"""Tiny checkpoints and deterministic images for tests (see model_builders/tiny.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from shared.checkpoints import build_all
+from model_builders.tiny import build_all
 
 
 def build_test_checkpoints(root: Path) -> dict[str, Path]:

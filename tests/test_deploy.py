@@ -93,7 +93,7 @@ def test_dev_runs_on_cpus_with_tiny_checkpoints_and_in_cluster_redis() -> None:
     assert not [resource for limit in limits for resource in limit if "gpu" in resource]
     for name in ("encoder", *(f"llm-{f}" for f in FINETUNES)):
         pod = _by(docs, "Deployment", name)["spec"]["template"]["spec"]
-        assert pod["initContainers"][0]["command"] == ["python", "-m", "shared.checkpoints", "--out", "/models"]
+        assert pod["initContainers"][0]["command"] == ["python", "-m", "model_builders.tiny", "--out", "/models"]
         assert {"name": "models", "emptyDir": {"sizeLimit": "256Mi"}} in pod["volumes"]
     llm = env(containers(_by(docs, "Deployment", "llm-ft-a"), init=False)[0])
     settings = [llm[f"LLM_{name}"]["value"] for name in ("ENGINE", "DTYPE", "DEVICE")]

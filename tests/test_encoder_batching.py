@@ -23,7 +23,7 @@ from encoder_service.server import build_core
 from encoder_service.settings import EncoderSettings
 from encoder_service.video import VIDEO_MIN_PIXELS, preprocess_video
 from encoder_service.vision import Preprocessed, VisionEncoder
-from shared.bench_checkpoint import BENCH_VISION
+from model_builders.bench import BENCH_VISION
 from tests.harness import RedisServer
 from tests.model_fixtures import make_image
 

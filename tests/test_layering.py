@@ -23,4 +23,4 @@ def test_importing_the_sdk_loads_no_server_runtime() -> None:
 
 def test_servers_do_not_load_the_test_checkpoint_builder() -> None:
     for server in ("encoder_service.server", "llm_service.server"):
-        assert _loaded(server, ("shared.checkpoints", "shared.bench_checkpoint")) == [], server
+        assert _loaded(server, ("model_builders.tiny", "model_builders.bench")) == [], server

@@ -5,7 +5,7 @@ trained on a built-in corpus, the real Qwen2-VL chat template, an image processo
 small pixel bounds, and random weights. "Fine-tunes" copy the base and change only the language
 model, so they share the vision tower and therefore the encoder id.
 
-CLI: ``python -m shared.checkpoints --out DIR`` builds DIR/base, DIR/ft-a and DIR/ft-b.
+CLI: ``python -m model_builders.tiny --out DIR`` builds DIR/base, DIR/ft-a and DIR/ft-b.
 """
 
 from __future__ import annotations

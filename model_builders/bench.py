@@ -9,7 +9,7 @@ instead of ~2.7 GB, and every loader casts to the dtype it is asked for.
 Fine-tunes redraw every language-model tensor from their own seed and draw the vision tensors
 from the base's seed, so the tower is byte-identical and the encoder id is shared.
 
-CLI: ``python -m shared.bench_checkpoint --out DIR`` builds DIR/base, DIR/ft-1 .. DIR/ft-N.
+CLI: ``python -m model_builders.bench --out DIR`` builds DIR/base, DIR/ft-1 .. DIR/ft-N.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-from shared.checkpoints import (
+from model_builders.tiny import (
     SPECIAL_TOKENS,
     build_tokenizer,
     is_complete,
