@@ -15,6 +15,7 @@ import torch
 
 from llm_service.blob_cache import BlobCache
 from llm_service.blob_fetch import decode_items_async, fetch_items
+from llm_service.blob_tensors import embeds_tensor, grid_tensor
 from llm_service.context import fit_to_context
 from llm_service.engines.base import Engine, EngineRequest, GenerationDelta
 from llm_service.prompt import ChatTurn, MediaSlot, PromptBuilder
@@ -59,11 +60,11 @@ class LLMCore:
         engine_request = EngineRequest(
             request_id=request.request_id,
             prompt_token_ids=prompt_ids,
-            image_embeds=[blob.embeds for _, blob in images],
+            image_embeds=[embeds_tensor(blob) for _, blob in images],
             image_grid_thw=_grid([blob for _, blob in images]),
             sampling=fit_to_context(len(prompt_ids), request.sampling, self.engine.max_model_len),
             image_uuids=[_media_uuid(item) for item, _ in images],
-            video_embeds=[blob.embeds for _, blob in videos],
+            video_embeds=[embeds_tensor(blob) for _, blob in videos],
             video_grid_thw=_grid([blob for _, blob in videos]),
             video_uuids=[_media_uuid(item) for item, _ in videos],
         )
@@ -143,7 +144,7 @@ def _check_modality(item: MediaInput, blob: EmbeddingBlob, index: int) -> None:
 
 def _grid(blobs: list[EmbeddingBlob]) -> torch.Tensor:
     """[n, 3] int64 grids of the items, in order (n may be 0)."""
-    return torch.cat([b.grid_thw for b in blobs]) if blobs else torch.zeros((0, 3), dtype=torch.int64)
+    return torch.cat([grid_tensor(b) for b in blobs]) if blobs else torch.zeros((0, 3), dtype=torch.int64)
 
 
 def _media_uuid(item: MediaInput) -> str:
