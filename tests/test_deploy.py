@@ -153,8 +153,12 @@ def test_checked_in_finetunes_are_what_the_one_step_writes(name: str) -> None:
 def test_dockerfile_installs_the_project_and_runs_unprivileged(service: str) -> None:
     text = (DEPLOY / "docker" / f"{service}.Dockerfile").read_text()
     copied = set(re.findall(r"^COPY (?!--from)(\S+)", text, re.MULTILINE))
-    packages = {"shared", "encoder_service", "llm_service", "gateway"}
+    packages = {"shared", "encoder_service", "llm_service", "gateway", "model_builders"}
     assert copied == packages | {"pyproject.toml"}
+    # Each image installs the project with its own extra only (the gateway's brings no torch).
+    extras = re.findall(r'pip install "\$\(ls /wheels/\*\.whl\)\[(\w+)\]"', text)
+    assert extras and set(extras) == {service}  # the llm file has two targets (cpu, gpu)
+    assert service != "gateway" or not re.search(r"torch==|TORCH_", text)
     assert all((ROOT / path).exists() for path in copied)
     users = re.findall(r"^USER (\d+):(\d+)$", text, re.MULTILINE)
     assert users and all(int(uid) > 0 for uid, _ in users)

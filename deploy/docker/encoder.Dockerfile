@@ -14,6 +14,7 @@ COPY shared ./shared
 COPY encoder_service ./encoder_service
 COPY llm_service ./llm_service
 COPY gateway ./gateway
+COPY model_builders ./model_builders
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM python:3.11-slim-bookworm
@@ -31,7 +32,8 @@ RUN groupadd --gid 10001 app \
 # already met (2.13.0+cpu counts as 2.13.0), so the next step does not replace it.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 COPY --from=wheel /wheels /wheels
-RUN pip install /wheels/*.whl && rm -rf /wheels
+# Only this service's extra (encoder): pyproject.toml lists what each service needs.
+RUN pip install "$(ls /wheels/*.whl)[encoder]" && rm -rf /wheels
 
 USER 10001:10001
 WORKDIR /home/app

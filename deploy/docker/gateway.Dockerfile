@@ -1,8 +1,8 @@
 # syntax=docker/dockerfile:1.7
 # Gateway (OpenAI API over HTTP, gRPC to the backends); CPU only. Build from the repository root:
 #   docker build -f deploy/docker/gateway.Dockerfile -t vlm-encode-once/gateway:0.1.0 .
-# The gateway decodes and checks safetensors blobs (shared/blob.py imports torch), so it needs
-# torch, but the CPU build is enough (about a tenth of the CUDA one).
+# The gateway checks inline blobs with numpy (shared/blob.py holds no torch): no torch, no
+# transformers in this image.
 
 FROM python:3.11-slim-bookworm AS wheel
 WORKDIR /src
@@ -11,21 +11,19 @@ COPY shared ./shared
 COPY encoder_service ./encoder_service
 COPY llm_service ./llm_service
 COPY gateway ./gateway
+COPY model_builders ./model_builders
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM python:3.11-slim-bookworm
-ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN groupadd --gid 10001 app \
     && useradd --uid 10001 --gid 10001 --home-dir /home/app --create-home --shell /usr/sbin/nologin app
-# CPU torch first; the project's torch==2.13.0 pin is then met by 2.13.0+cpu and kept.
-RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 COPY --from=wheel /wheels /wheels
-RUN pip install /wheels/*.whl && rm -rf /wheels
+# Only this service's extra (gateway): pyproject.toml lists what each service needs.
+RUN pip install "$(ls /wheels/*.whl)[gateway]" && rm -rf /wheels
 
 USER 10001:10001
 WORKDIR /home/app

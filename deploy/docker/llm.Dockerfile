@@ -15,6 +15,7 @@ COPY shared ./shared
 COPY encoder_service ./encoder_service
 COPY llm_service ./llm_service
 COPY gateway ./gateway
+COPY model_builders ./model_builders
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # --- CPU: the transformers engine, for clusters without GPUs --------------------------------
@@ -29,7 +30,8 @@ RUN groupadd --gid 10001 app \
     && useradd --uid 10001 --gid 10001 --home-dir /home/app --create-home --shell /usr/sbin/nologin app
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
 COPY --from=wheel /wheels /wheels
-RUN pip install /wheels/*.whl && rm -rf /wheels
+# Only this service's extra (llm): pyproject.toml lists what each service needs.
+RUN pip install "$(ls /wheels/*.whl)[llm]" && rm -rf /wheels
 USER 10001:10001
 WORKDIR /home/app
 EXPOSE 50061 9090
@@ -50,7 +52,7 @@ RUN groupadd --gid 10001 app \
 COPY --from=wheel /wheels /wheels
 # Into the image's own Python, beside vLLM (PIP_BREAK_SYSTEM_PACKAGES: that Python may be marked
 # as system-managed; this image is the only user of it).
-RUN PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install /wheels/*.whl && rm -rf /wheels \
+RUN PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install "$(ls /wheels/*.whl)[llm]" && rm -rf /wheels \
     && python3 -c "import llm_service.server, shared.grpc_server"
 USER 10001:10001
 WORKDIR /home/app
