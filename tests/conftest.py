@@ -1,10 +1,21 @@
-"""Session fixtures: tiny checkpoints, a real Redis, and the whole stack on free ports."""
+"""Session fixtures: tiny checkpoints, a real Redis, and the whole stack on free ports; test tiers.
+
+Tiers (`make test` runs all three; `make test-fast` runs `-m unit`):
+- unit: starts nothing (no process, no server); pure logic, in well under a minute all together.
+- integration: real processes or servers (Redis, gRPC servers, an engine, tiny checkpoints).
+- e2e: through the whole stack (gateway, encoder, LLM services, Redis).
+A test's tier follows from the fixtures it uses (below); a file whose tests start processes by
+themselves says so with `pytestmark = pytest.mark.integration`. A test that lands in the unit tier
+and starts a process or a server anyway fails, so the fast tier stays fast.
+"""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from fastapi import FastAPI
 from openai import OpenAI
@@ -22,6 +33,37 @@ from tests.harness import (
 from tests.model_fixtures import build_test_checkpoints
 
 MODELS = ("ft-a", "ft-b")
+TIERS = ("unit", "integration", "e2e")
+E2E_FIXTURES = frozenset({"stack", "openai_client", "strict_gateway_app", "strict_gateway"})
+INTEGRATION_FIXTURES = frozenset({"checkpoints", "redis_server", "live_redis", "background_loop"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        explicit = {mark.name for mark in item.iter_markers() if mark.name in TIERS}
+        if len(explicit) > 1:
+            raise pytest.UsageError(f"{item.nodeid} is marked with more than one tier: {sorted(explicit)}")
+        if explicit:
+            continue
+        fixtures = set(getattr(item, "fixturenames", ()))
+        tier = "e2e" if fixtures & E2E_FIXTURES else "integration" if fixtures & INTEGRATION_FIXTURES else "unit"
+        item.add_marker(tier)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_nothing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("unit") is None:
+        return
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(
+            f"{request.node.nodeid} is in the unit tier but starts a process or a server: "
+            "use a fixture that marks it, or mark its file `pytestmark = pytest.mark.integration`"
+        )
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(grpc, "server", refuse)
+    monkeypatch.setattr(grpc.aio, "server", refuse)
 
 
 @pytest.fixture(scope="session")

@@ -118,6 +118,7 @@ def test_status_codes_map_back_to_the_raised_class() -> None:
     )
 
 
+@pytest.mark.integration  # runs grpc_tools' protoc in a subprocess
 def test_generated_stubs_are_up_to_date(tmp_path: Path) -> None:
     subprocess.run([sys.executable, str(REPO / "scripts" / "gen_protos.py"), "--out", str(tmp_path)], check=True)
     comparison = filecmp.dircmp(tmp_path, REPO / "shared" / "pb")

@@ -21,6 +21,9 @@ from deploy.add_finetune import add_finetune, finetune_kustomization
 from deploy.lint import RULES, lint, render
 from deploy.lint.manifests import containers, env, parse_quantity, workloads
 
+# Starts processes of its own (see the tiers in tests/conftest.py).
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 OVERLAYS = ("dev", "prod")

@@ -13,6 +13,9 @@ import pytest
 _PROBE = """
 import ctypes, resource, sys
 from encoder_service.allocator import retain_freed_memory
+
+# Starts processes of its own (see the tiers in tests/conftest.py).
+pytestmark = pytest.mark.integration
 applied = retain_freed_memory() if sys.argv[1] == "retain" else False
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

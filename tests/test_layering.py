@@ -8,6 +8,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+# Starts processes of its own (see the tiers in tests/conftest.py).
+pytestmark = pytest.mark.integration
+
 
 def _loaded(module: str, candidates: tuple[str, ...]) -> list[str]:
     """Which of `candidates` a fresh interpreter has loaded after importing `module`."""

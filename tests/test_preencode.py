@@ -17,6 +17,9 @@ from shared.sdk import EncoderClient
 from tests.harness import Stack
 from tests.images import png_bytes
 
+# Starts processes of its own (see the tiers in tests/conftest.py).
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parent.parent
 # Seeds no other test encodes, so the first run here is a real encode, not a cache hit.
 SEEDS = {"a.png": 9101, "b.png": 9102, "nested/deeper/c.png": 9103}

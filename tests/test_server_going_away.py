@@ -15,6 +15,9 @@ from shared.grpc_server import start_server
 from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc
 from shared.sdk import AsyncLLMClient, Message
 
+# Starts processes of its own (see the tiers in tests/conftest.py).
+pytestmark = pytest.mark.integration
+
 
 class SlowLLM(llm_pb2_grpc.LLMServiceServicer):
     """Waits on work (as Generate waits on its engine) until the server stops or the work is

@@ -10,6 +10,11 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
+# Starts processes of its own (see the tiers in tests/conftest.py).
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parent.parent
 
 
