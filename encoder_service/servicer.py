@@ -35,7 +35,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         counters = self._core.counters
         return encoder_pb2.EncoderStats(
             encoder_id=self._core.encoder_id,
-            images_encoded=counters.images_encoded,
+            media_encoded=counters.images_encoded,
             cache_hits=counters.cache_hits,
             coalesced=counters.coalesced,
             forward_passes=self._core.batcher.batches_run,

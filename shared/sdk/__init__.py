@@ -5,6 +5,7 @@ from shared.sdk.llm_client import AsyncLLMClient, LLMClient
 from shared.sdk.types import (
     ChannelConfig,
     EncodedImage,
+    EncodedMedia,
     EncoderStats,
     GenerationChunk,
     ImageKey,
@@ -22,6 +23,7 @@ __all__ = [
     "AsyncLLMClient",
     "ChannelConfig",
     "EncodedImage",
+    "EncodedMedia",
     "EncoderClient",
     "EncoderStats",
     "GenerationChunk",

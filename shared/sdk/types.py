@@ -84,29 +84,39 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, object]]:
 
 
 @dataclass(frozen=True)
-class EncodedImage:
+class EncodedMedia:
+    """An image or a video the encoder stored: the key to reference it by, and what it occupies."""
+
     key: str
-    grid_thw: list[int]  # [t, h, w]
+    grid_thw: list[int]  # [t, h, w]; t > 1 for a video of more than two frames
     num_tokens: int
     cache_hit: bool
     encoder_id: str
 
     @classmethod
-    def from_pb(cls, reply: encoder_pb2.EncodeReply) -> EncodedImage:
+    def from_pb(cls, reply: encoder_pb2.EncodeReply) -> EncodedMedia:
         return cls(reply.key, list(reply.grid_thw), reply.num_tokens, reply.cache_hit, reply.encoder_id)
+
+
+EncodedImage = EncodedMedia  # the name before videos; kept for existing callers
 
 
 @dataclass(frozen=True)
 class EncoderStats:
     encoder_id: str
-    images_encoded: int
+    media_encoded: int  # images and videos run through the vision tower
     cache_hits: int
     coalesced: int
     forward_passes: int
 
+    @property
+    def images_encoded(self) -> int:
+        """The name before videos (it counted them too); kept for existing callers."""
+        return self.media_encoded
+
     @classmethod
     def from_pb(cls, reply: encoder_pb2.EncoderStats) -> EncoderStats:
-        return cls(reply.encoder_id, reply.images_encoded, reply.cache_hits, reply.coalesced, reply.forward_passes)
+        return cls(reply.encoder_id, reply.media_encoded, reply.cache_hits, reply.coalesced, reply.forward_passes)
 
 
 def encode_request(
@@ -114,12 +124,9 @@ def encode_request(
 ) -> encoder_pb2.EncodeRequest:
     if (image_bytes is None) == (image_url is None):
         raise ValueError("pass exactly one of image_bytes or image_url")
-    request = encoder_pb2.EncodeRequest(min_pixels=min_pixels, max_pixels=max_pixels)
     if image_bytes is not None:
-        request.image_bytes = image_bytes
-    else:
-        request.image_url = image_url
-    return request
+        return encoder_pb2.EncodeRequest(image_bytes=image_bytes, min_pixels=min_pixels, max_pixels=max_pixels)
+    return encoder_pb2.EncodeRequest(image_url=image_url, min_pixels=min_pixels, max_pixels=max_pixels)
 
 
 def encode_video_request(frames: list[bytes | str], min_pixels: int, max_pixels: int) -> encoder_pb2.EncodeVideoRequest:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x65ncoder/v1/encoder.proto\x12\nencoder.v1\"m\n\rEncodeRequest\x12\x15\n\x0bimage_bytes\x18\x01 \x01(\x0cH\x00\x12\x13\n\timage_url\x18\x02 \x01(\tH\x00\x12\x12\n\nmin_pixels\x18\x03 \x01(\x03\x12\x12\n\nmax_pixels\x18\x04 \x01(\x03\x42\x08\n\x06source\"=\n\x05\x46rame\x12\x15\n\x0bimage_bytes\x18\x01 \x01(\x0cH\x00\x12\x13\n\timage_url\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\"_\n\x12\x45ncodeVideoRequest\x12!\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x11.encoder.v1.Frame\x12\x12\n\nmin_pixels\x18\x02 \x01(\x03\x12\x12\n\nmax_pixels\x18\x03 \x01(\x03\"g\n\x0b\x45ncodeReply\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08grid_thw\x18\x02 \x03(\x03\x12\x12\n\nnum_tokens\x18\x03 \x01(\x03\x12\x11\n\tcache_hit\x18\x04 \x01(\x08\x12\x12\n\nencoder_id\x18\x05 \x01(\t\"\"\n\x13GetEmbeddingRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"!\n\x11GetEmbeddingReply\x12\x0c\n\x04\x62lob\x18\x01 \x01(\x0c\"\x11\n\x0fGetStatsRequest\"y\n\x0c\x45ncoderStats\x12\x12\n\nencoder_id\x18\x01 \x01(\t\x12\x16\n\x0eimages_encoded\x18\x02 \x01(\x03\x12\x12\n\ncache_hits\x18\x03 \x01(\x03\x12\x11\n\tcoalesced\x18\x04 \x01(\x03\x12\x16\n\x0e\x66orward_passes\x18\x05 \x01(\x03\x32\xa9\x02\n\x0e\x45ncoderService\x12<\n\x06\x45ncode\x12\x19.encoder.v1.EncodeRequest\x1a\x17.encoder.v1.EncodeReply\x12\x46\n\x0b\x45ncodeVideo\x12\x1e.encoder.v1.EncodeVideoRequest\x1a\x17.encoder.v1.EncodeReply\x12N\n\x0cGetEmbedding\x12\x1f.encoder.v1.GetEmbeddingRequest\x1a\x1d.encoder.v1.GetEmbeddingReply\x12\x41\n\x08GetStats\x12\x1b.encoder.v1.GetStatsRequest\x1a\x18.encoder.v1.EncoderStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x65ncoder/v1/encoder.proto\x12\nencoder.v1\"m\n\rEncodeRequest\x12\x15\n\x0bimage_bytes\x18\x01 \x01(\x0cH\x00\x12\x13\n\timage_url\x18\x02 \x01(\tH\x00\x12\x12\n\nmin_pixels\x18\x03 \x01(\x03\x12\x12\n\nmax_pixels\x18\x04 \x01(\x03\x42\x08\n\x06source\"=\n\x05\x46rame\x12\x15\n\x0bimage_bytes\x18\x01 \x01(\x0cH\x00\x12\x13\n\timage_url\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\"_\n\x12\x45ncodeVideoRequest\x12!\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x11.encoder.v1.Frame\x12\x12\n\nmin_pixels\x18\x02 \x01(\x03\x12\x12\n\nmax_pixels\x18\x03 \x01(\x03\"g\n\x0b\x45ncodeReply\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08grid_thw\x18\x02 \x03(\x03\x12\x12\n\nnum_tokens\x18\x03 \x01(\x03\x12\x11\n\tcache_hit\x18\x04 \x01(\x08\x12\x12\n\nencoder_id\x18\x05 \x01(\t\"\"\n\x13GetEmbeddingRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"!\n\x11GetEmbeddingReply\x12\x0c\n\x04\x62lob\x18\x01 \x01(\x0c\"\x11\n\x0fGetStatsRequest\"x\n\x0c\x45ncoderStats\x12\x12\n\nencoder_id\x18\x01 \x01(\t\x12\x15\n\rmedia_encoded\x18\x02 \x01(\x03\x12\x12\n\ncache_hits\x18\x03 \x01(\x03\x12\x11\n\tcoalesced\x18\x04 \x01(\x03\x12\x16\n\x0e\x66orward_passes\x18\x05 \x01(\x03\x32\xa9\x02\n\x0e\x45ncoderService\x12<\n\x06\x45ncode\x12\x19.encoder.v1.EncodeRequest\x1a\x17.encoder.v1.EncodeReply\x12\x46\n\x0b\x45ncodeVideo\x12\x1e.encoder.v1.EncodeVideoRequest\x1a\x17.encoder.v1.EncodeReply\x12N\n\x0cGetEmbedding\x12\x1f.encoder.v1.GetEmbeddingRequest\x1a\x1d.encoder.v1.GetEmbeddingReply\x12\x41\n\x08GetStats\x12\x1b.encoder.v1.GetStatsRequest\x1a\x18.encoder.v1.EncoderStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,7 +46,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATSREQUEST']._serialized_start=487
   _globals['_GETSTATSREQUEST']._serialized_end=504
   _globals['_ENCODERSTATS']._serialized_start=506
-  _globals['_ENCODERSTATS']._serialized_end=627
-  _globals['_ENCODERSERVICE']._serialized_start=630
-  _globals['_ENCODERSERVICE']._serialized_end=927
+  _globals['_ENCODERSTATS']._serialized_end=626
+  _globals['_ENCODERSERVICE']._serialized_start=629
+  _globals['_ENCODERSERVICE']._serialized_end=926
 # @@protoc_insertion_point(module_scope)

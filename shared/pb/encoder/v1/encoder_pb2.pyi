@@ -67,15 +67,15 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EncoderStats(_message.Message):
-    __slots__ = ("encoder_id", "images_encoded", "cache_hits", "coalesced", "forward_passes")
+    __slots__ = ("encoder_id", "media_encoded", "cache_hits", "coalesced", "forward_passes")
     ENCODER_ID_FIELD_NUMBER: _ClassVar[int]
-    IMAGES_ENCODED_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_ENCODED_FIELD_NUMBER: _ClassVar[int]
     CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     COALESCED_FIELD_NUMBER: _ClassVar[int]
     FORWARD_PASSES_FIELD_NUMBER: _ClassVar[int]
     encoder_id: str
-    images_encoded: int
+    media_encoded: int
     cache_hits: int
     coalesced: int
     forward_passes: int
-    def __init__(self, encoder_id: _Optional[str] = ..., images_encoded: _Optional[int] = ..., cache_hits: _Optional[int] = ..., coalesced: _Optional[int] = ..., forward_passes: _Optional[int] = ...) -> None: ...
+    def __init__(self, encoder_id: _Optional[str] = ..., media_encoded: _Optional[int] = ..., cache_hits: _Optional[int] = ..., coalesced: _Optional[int] = ..., forward_passes: _Optional[int] = ...) -> None: ...
