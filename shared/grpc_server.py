@@ -215,12 +215,13 @@ async def serve_until_signal(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     logger.info("serving on port %d", running.port)
-    signalled = asyncio.ensure_future(stop.wait())
-    failed = asyncio.ensure_future(fatal) if fatal is not None else None
-    await asyncio.wait({signalled, failed} - {None}, return_when=asyncio.FIRST_COMPLETED)
+    signalled: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
+    failed: asyncio.Future[str] | None = asyncio.ensure_future(fatal) if fatal is not None else None
+    waiting: set[asyncio.Future[Any]] = {signalled} if failed is None else {signalled, failed}
+    await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
     reason = failed.result() if failed is not None and failed.done() else None
-    for task in (signalled, failed):
-        if task is not None and not task.done():
+    for task in waiting:
+        if not task.done():
             task.cancel()
     if reason is not None:
         logger.error("cannot serve any more (%s): draining for up to %.1fs, then exiting", reason, fatal_grace_s)
