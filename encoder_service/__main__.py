@@ -10,7 +10,7 @@ from encoder_service.server import start_encoder_server
 from encoder_service.settings import EncoderSettings
 from shared.grpc_metrics import serve_metrics
 from shared.grpc_server import serve_until_signal
-from shared.request_context import configure_logging
+from shared.logging_setup import configure_logging
 
 
 async def main() -> None:

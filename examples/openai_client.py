@@ -39,7 +39,9 @@ def main() -> None:
 
     reply = client.chat.completions.create(**request)
     choice = reply.choices[0]
-    print(f"[{args.model}] {choice.message.content} (finish: {choice.finish_reason}, usage: {reply.usage.total_tokens} tokens)")
+    print(
+        f"[{args.model}] {choice.message.content} (finish: {choice.finish_reason}, usage: {reply.usage.total_tokens} tokens)"
+    )
 
     print(f"[{args.model}, streamed] ", end="", flush=True)
     # The second request costs no vision encode: the gateway's encode is a cache hit.

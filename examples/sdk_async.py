@@ -30,7 +30,11 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--encoder", default="127.0.0.1:50051", help="encoder service host:port")
     parser.add_argument(
-        "--model", type=model_spec, action="append", metavar="NAME=HOST:PORT", help="a model and its LLM service (repeat)"
+        "--model",
+        type=model_spec,
+        action="append",
+        metavar="NAME=HOST:PORT",
+        help="a model and its LLM service (repeat)",
     )
     parser.add_argument("--question", default="What is in this image?")
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -42,7 +46,12 @@ async def ask(model: str, target: str, key: str, question: str, max_tokens: int)
     """The model's whole answer, gathered from the stream."""
     async with AsyncLLMClient(target) as llm:
         messages = [Message("user", [ImageKey(key), question])]
-        return "".join([chunk.text async for chunk in llm.generate(model, messages, Sampling(max_tokens=max_tokens, temperature=0))])
+        return "".join(
+            [
+                chunk.text
+                async for chunk in llm.generate(model, messages, Sampling(max_tokens=max_tokens, temperature=0))
+            ]
+        )
 
 
 async def main() -> None:
@@ -57,7 +66,9 @@ async def main() -> None:
         for name, answer in zip(models, answers, strict=True):
             print(f"[{name}] {answer}")
         stats = await encoder.stats()
-        print(f"encoder stats: images_encoded={stats.images_encoded} cache_hits={stats.cache_hits} passes={stats.forward_passes}")
+        print(
+            f"encoder stats: media_encoded={stats.media_encoded} cache_hits={stats.cache_hits} passes={stats.forward_passes}"
+        )
 
 
 if __name__ == "__main__":

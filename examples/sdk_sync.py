@@ -44,9 +44,13 @@ def main() -> None:
         for chunk in llm.generate(args.model, messages, Sampling(max_tokens=args.max_tokens, temperature=0)):
             print(chunk.text, end="", flush=True)
             if chunk.finish_reason:
-                print(f"\nfinish: {chunk.finish_reason} (prompt {chunk.prompt_tokens}, completion {chunk.completion_tokens} tokens)")
+                print(
+                    f"\nfinish: {chunk.finish_reason} (prompt {chunk.prompt_tokens}, completion {chunk.completion_tokens} tokens)"
+                )
         stats = encoder.stats()
-        print(f"encoder stats: images_encoded={stats.images_encoded} cache_hits={stats.cache_hits} passes={stats.forward_passes}")
+        print(
+            f"encoder stats: media_encoded={stats.media_encoded} cache_hits={stats.cache_hits} passes={stats.forward_passes}"
+        )
 
 
 if __name__ == "__main__":

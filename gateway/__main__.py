@@ -6,7 +6,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from shared.request_context import configure_logging
+from shared.logging_setup import configure_logging
 
 
 def main() -> None:
@@ -20,7 +20,8 @@ def main() -> None:
         host=settings.host,
         port=settings.port,
         log_config=None,
-        timeout_keep_alive=settings.keep_alive_s,
+        # uvicorn's hint says int, but it only schedules a timer with it: a float keeps fractions.
+        timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]
     )
 
 

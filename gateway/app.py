@@ -19,9 +19,9 @@ from gateway.chat import generate, prepare
 from gateway.errors import install_error_handlers
 from gateway.exchange import ExchangeMiddleware, on_exchange_end
 from gateway.openai_format import IndexedChunks, completion, event_stream
-from gateway.schemas import ChatCompletionRequest, EncodeImageRequest, EncodeImageResponse, EncodeVideoRequest
+from gateway.schemas import ChatCompletionRequest, EncodeImageRequest, EncodeMediaResponse, EncodeVideoRequest
 from gateway.settings import GatewaySettings
-from shared.sdk import AsyncEncoderClient, EncodedImage
+from shared.sdk import AsyncEncoderClient, EncodedMedia
 
 logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/livez", "/readyz", "/metrics", "/docs", "/openapi.json")
@@ -40,10 +40,10 @@ async def _primed(chunks: IndexedChunks) -> IndexedChunks:
 
 
 async def _encode_response(
-    encoder: AsyncEncoderClient, result: EncodedImage, return_embeddings: bool
-) -> EncodeImageResponse:
+    encoder: AsyncEncoderClient, result: EncodedMedia, return_embeddings: bool
+) -> EncodeMediaResponse:
     blob = await encoder.get_embedding(result.key) if return_embeddings else None
-    return EncodeImageResponse(
+    return EncodeMediaResponse(
         key=result.key, grid_thw=result.grid_thw, num_tokens=result.num_tokens, encoder_id=result.encoder_id,
         cache_hit=result.cache_hit, embeddings=base64.b64encode(blob).decode() if blob is not None else None,
     )  # fmt: skip
@@ -98,7 +98,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         }
 
     @app.post("/v1/images/encode")
-    async def encode_image(body: EncodeImageRequest, request: Request) -> EncodeImageResponse:
+    async def encode_image(body: EncodeImageRequest, request: Request) -> EncodeMediaResponse:
         """Encodes an image once (or finds it stored) and returns the key to reference it by."""
         encoder = request.app.state.backends.encoder
         result = await encoder.encode(
@@ -110,7 +110,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return await _encode_response(encoder, result, body.return_embeddings)
 
     @app.post("/v1/videos/encode")
-    async def encode_video(body: EncodeVideoRequest, request: Request) -> EncodeImageResponse:
+    async def encode_video(body: EncodeVideoRequest, request: Request) -> EncodeMediaResponse:
         """Encodes a video (its frames, in order) once and returns the key for a video_embeds part."""
         encoder = request.app.state.backends.encoder
         result = await encoder.encode_video(

@@ -12,21 +12,14 @@ from dataclasses import dataclass
 from gateway import metrics
 from gateway.backends import Backends
 from gateway.inline_embeds import inline_blob
-from gateway.schemas import (
-    ChatCompletionRequest,
-    ImageEmbedsPart,
-    ImageUrlPart,
-    MediaPart,
-    TextPart,
-    VideoEmbedsPart,
-    VideoPart,
-)
+from gateway.schemas import ChatCompletionRequest, ImageUrlPart, MediaEmbedsPart, MediaPart, TextPart, VideoPart
 from gateway.settings import GatewaySettings
 from gateway.streams import merge_indexed
+from shared.blob import Modality
 from shared.errors import EmbeddingNotFound, InvalidInput, Unavailable
 from shared.sdk import (
     AsyncLLMClient,
-    EncodedImage,
+    EncodedMedia,
     GenerationChunk,
     ImageKey,
     InlineEmbedding,
@@ -73,11 +66,11 @@ def _media_parts(request: ChatCompletionRequest) -> list[MediaPart]:
     ]
 
 
-def _source(part: ImageUrlPart | VideoPart) -> Source:
-    return part.image_url.url if isinstance(part, ImageUrlPart) else tuple(part.video)
+def _stored(modality: Modality, key: str) -> ImageKey | VideoKey:
+    return ImageKey(key) if modality == "image" else VideoKey(key)
 
 
-async def _encode(backends: Backends, source: Source, request_id: str) -> EncodedImage:
+async def _encode(backends: Backends, source: Source, request_id: str) -> EncodedMedia:
     if isinstance(source, str):
         return await backends.encoder.encode(image_url=source, request_id=request_id)
     return await backends.encoder.encode_video(list(source), request_id=request_id)
@@ -86,42 +79,34 @@ async def _encode(backends: Backends, source: Source, request_id: str) -> Encode
 async def _encode_sources(request: ChatCompletionRequest, backends: Backends, request_id: str) -> dict[Source, str]:
     """Source -> key, each distinct image URL or frame list encoded once, concurrently."""
     parts = _media_parts(request)
-    sources = list(dict.fromkeys(_source(p) for p in parts if isinstance(p, ImageUrlPart | VideoPart)))
+    sources = list(dict.fromkeys(p.source for p in parts if isinstance(p, ImageUrlPart | VideoPart)))
     encoded = await asyncio.gather(*(_encode(backends, source, request_id) for source in sources))
     return {source: result.key for source, result in zip(sources, encoded, strict=True)}
 
 
 async def _inline(
-    part: ImageEmbedsPart | VideoEmbedsPart,
-    param: str,
-    request: ChatCompletionRequest,
-    backends: Backends,
-    settings: GatewaySettings,
+    part: MediaEmbedsPart, param: str, request: ChatCompletionRequest, backends: Backends, settings: GatewaySettings
 ) -> InlineEmbedding:
-    modality = "image" if isinstance(part, ImageEmbedsPart) else "video"
     if not settings.allow_inline_embeds:
         raise InvalidInput(
-            f"inline {modality}_embeds are disabled on this gateway; reference a stored key with uuid", param=param
+            f"inline {part.modality}_embeds are disabled on this gateway; reference a stored key with uuid",
+            param=param,
         )
     encoder_ids = (await backends.model_info(request.model)).accepted_encoder_ids
-    embeds, grid = (
-        (part.image_embeds, part.image_grid_thw) if modality == "image" else (part.video_embeds, part.video_grid_thw)
-    )
-    assert embeds is not None and grid is not None  # checked by the schema
-    return InlineEmbedding(inline_blob(embeds, grid, encoder_ids[0], param, modality), modality)
+    assert part.embeds is not None and part.grid_thw is not None  # checked by the schema
+    blob = inline_blob(part.embeds, part.grid_thw, encoder_ids[0], param, part.modality)
+    return InlineEmbedding(blob, part.modality)
 
 
 async def _content_item(
     part: TextPart | MediaPart, param: str, key_of: dict[Source, str], request: ChatCompletionRequest, backends: Backends,
     settings: GatewaySettings,
 ) -> ContentItem:  # fmt: skip
-    if isinstance(part, ImageUrlPart):
-        return ImageKey(key_of[_source(part)])
-    if isinstance(part, VideoPart):
-        return VideoKey(key_of[_source(part)])
-    if isinstance(part, ImageEmbedsPart | VideoEmbedsPart) and part.uuid is not None:
-        return ImageKey(part.uuid) if isinstance(part, ImageEmbedsPart) else VideoKey(part.uuid)
-    if isinstance(part, ImageEmbedsPart | VideoEmbedsPart):
+    if isinstance(part, ImageUrlPart | VideoPart):
+        return _stored(part.modality, key_of[part.source])
+    if isinstance(part, MediaEmbedsPart) and part.uuid is not None:
+        return _stored(part.modality, part.uuid)
+    if isinstance(part, MediaEmbedsPart):
         return await _inline(part, param, request, backends, settings)
     return part.text
 
@@ -131,9 +116,9 @@ async def prepare(
 ) -> PreparedChat:
     """Turns every image and video part into a stored key or an inline blob, in order."""
     media = _media_parts(request)
-    if len(media) > settings.max_images_per_request:
+    if len(media) > settings.max_media_per_request:
         raise InvalidInput(
-            f"{len(media)} images and videos in one request; the limit is {settings.max_images_per_request}",
+            f"{len(media)} images and videos in one request; the limit is {settings.max_media_per_request}",
             param="messages",
         )
     key_of = await _encode_sources(request, backends, request_id)

@@ -4,13 +4,15 @@ vLLM's are: `"max_tokens": "12"` or `"stream": "yes"` is a 400 naming the field,
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from shared.blob import Modality
+from shared.sampling_limits import MAX_STOP_STRINGS, SAMPLING_BOUNDS
+
 # Bounds that keep values inside the gRPC field types (int32/int64); the services
 # apply their own, tighter limits and say so in their errors.
-MAX_TOKENS_BOUND = 1_000_000
 MAX_PIXELS_BOUND = 1_000_000_000
 MAX_GRID_SIDE = 65_535
 MAX_FRAMES_BOUND = 1024  # the encoder applies its own, tighter frame limit
@@ -37,32 +39,13 @@ class ImageUrl(StrictRequest):
 
 class ImageUrlPart(StrictRequest):
     model_config = ConfigDict(extra="forbid")
+    modality: ClassVar[Modality] = "image"
     type: Literal["image_url"]
     image_url: ImageUrl = Field(description="The image, encoded once by the encoder service.")
 
-
-class ImageEmbedsPart(StrictRequest):
-    """Embeddings instead of an image: a stored key (`uuid`), or inline in vLLM's form."""
-
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["image_embeds"]
-    uuid: str | None = Field(
-        None, min_length=1, description="Key of stored embeddings, as returned by /v1/images/encode."
-    )
-    image_embeds: str | None = Field(
-        None, description="null with `uuid`; else base64 of a [tokens, hidden] tensor as .npy or safetensors bytes."
-    )
-    image_grid_thw: list[Annotated[int, Field(ge=1, le=MAX_GRID_SIDE)]] | None = Field(
-        None, min_length=3, max_length=3, description="[t, h, w] of inline embeddings (required with image_embeds)."
-    )
-
-    @model_validator(mode="after")
-    def _one_source(self) -> ImageEmbedsPart:
-        if (self.uuid is None) == (self.image_embeds is None):
-            raise ValueError("set exactly one of uuid (a stored key) or image_embeds (inline, with image_grid_thw)")
-        if self.image_embeds is not None and self.image_grid_thw is None:
-            raise ValueError("inline image_embeds need image_grid_thw [t, h, w]")
-        return self
+    @property
+    def source(self) -> str:
+        return self.image_url.url
 
 
 class VideoPart(StrictRequest):
@@ -70,37 +53,90 @@ class VideoPart(StrictRequest):
     grid with t = ceil(frames / 2)."""
 
     model_config = ConfigDict(extra="forbid")
+    modality: ClassVar[Modality] = "video"
     type: Literal["video"]
     video: list[Annotated[str, Field(min_length=1)]] = Field(
         min_length=1, max_length=MAX_FRAMES_BOUND, description="Frame images: http(s) or data:image/...;base64 URLs."
     )
 
+    @property
+    def source(self) -> tuple[str, ...]:
+        return tuple(self.video)
 
-class VideoEmbedsPart(StrictRequest):
-    """Video embeddings instead of frames: a stored key (`uuid`), or inline like image_embeds."""
+
+GridThw = list[Annotated[int, Field(ge=1, le=MAX_GRID_SIDE)]]
+
+
+class MediaEmbedsPart(StrictRequest):
+    """Embeddings instead of an image or a video's frames: a stored key (`uuid`), or inline in
+    vLLM's form. The wire shapes of the two modalities differ only in their names
+    (`{modality}_embeds`, `{modality}_grid_thw`, which each subclass declares); the rule and its
+    words are here, once."""
 
     model_config = ConfigDict(extra="forbid")
-    type: Literal["video_embeds"]
+    modality: ClassVar[Modality]
+    type: Literal["image_embeds", "video_embeds"]  # each subclass narrows it to its own
     uuid: str | None = Field(
-        None, min_length=1, description="Key of stored video embeddings, as returned by /v1/videos/encode."
-    )
-    video_embeds: str | None = Field(
-        None, description="null with `uuid`; else base64 of a [tokens, hidden] tensor as .npy or safetensors bytes."
-    )
-    video_grid_thw: list[Annotated[int, Field(ge=1, le=MAX_GRID_SIDE)]] | None = Field(
-        None, min_length=3, max_length=3, description="[t, h, w] of inline embeddings (required with video_embeds)."
+        None,
+        min_length=1,
+        description="Key of stored embeddings, as returned by /v1/images/encode (a video's: /v1/videos/encode).",
     )
 
+    @property
+    def embeds(self) -> str | None:
+        """The inline tensor (base64), or None with `uuid`."""
+        embeds: str | None = getattr(self, f"{self.modality}_embeds")
+        return embeds
+
+    @property
+    def grid_thw(self) -> list[int] | None:
+        grid: list[int] | None = getattr(self, f"{self.modality}_grid_thw")
+        return grid
+
     @model_validator(mode="after")
-    def _one_source(self) -> VideoEmbedsPart:
-        if (self.uuid is None) == (self.video_embeds is None):
-            raise ValueError("set exactly one of uuid (a stored key) or video_embeds (inline, with video_grid_thw)")
-        if self.video_embeds is not None and self.video_grid_thw is None:
-            raise ValueError("inline video_embeds need video_grid_thw [t, h, w]")
+    def _one_source(self) -> Self:
+        embeds, grid = f"{self.modality}_embeds", f"{self.modality}_grid_thw"
+        if (self.uuid is None) == (self.embeds is None):
+            raise ValueError(f"set exactly one of uuid (a stored key) or {embeds} (inline, with {grid})")
+        if self.embeds is not None and self.grid_thw is None:
+            raise ValueError(f"inline {embeds} need {grid} [t, h, w]")
         return self
 
 
-MediaPart = ImageUrlPart | ImageEmbedsPart | VideoPart | VideoEmbedsPart
+INLINE_EMBEDS = "null with `uuid`; else base64 of a [tokens, hidden] tensor as .npy or safetensors bytes."
+
+
+def _inline_grid(modality: Modality) -> Any:
+    return Field(
+        None,
+        min_length=3,
+        max_length=3,
+        description=f"[t, h, w] of inline embeddings (required with {modality}_embeds).",
+    )
+
+
+class ImageEmbedsPart(MediaEmbedsPart):
+    """Embeddings instead of an image: a stored key (`uuid`), or inline in vLLM's form (`image_embeds`,
+    `image_grid_thw`)."""
+
+    modality: ClassVar[Modality] = "image"
+    type: Literal["image_embeds"]
+    image_embeds: str | None = Field(None, description=INLINE_EMBEDS)
+    image_grid_thw: GridThw | None = _inline_grid("image")
+
+
+class VideoEmbedsPart(MediaEmbedsPart):
+    """Embeddings instead of a video's frames: a stored key (`uuid`), or inline like image_embeds
+    (`video_embeds`, `video_grid_thw`)."""
+
+    modality: ClassVar[Modality] = "video"
+    type: Literal["video_embeds"]
+    video_embeds: str | None = Field(None, description=INLINE_EMBEDS)
+    video_grid_thw: GridThw | None = _inline_grid("video")
+
+
+# A part that stands for an image or a video; each says which by its `modality`.
+MediaPart = ImageUrlPart | VideoPart | MediaEmbedsPart
 ContentPart = Annotated[
     TextPart | ImageUrlPart | ImageEmbedsPart | VideoPart | VideoEmbedsPart, Field(discriminator="type")
 ]
@@ -116,6 +152,12 @@ class StreamOptions(StrictRequest):
     include_usage: bool = Field(False, description="Send a usage chunk before [DONE].")
 
 
+def _sampling(param: str, description: str) -> Any:
+    """An optional sampling field, bounded as shared.sampling_limits says (the table every layer checks)."""
+    bounds: dict[str, Any] = dict(SAMPLING_BOUNDS[param].pydantic())
+    return Field(None, description=description, **bounds)
+
+
 class ChatCompletionRequest(StrictRequest):
     model_config = ConfigDict(extra="allow")
 
@@ -123,32 +165,31 @@ class ChatCompletionRequest(StrictRequest):
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation, oldest first.")
     stream: bool = Field(False, description="Stream chunks as server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_BOUND, description="Most tokens to generate.")
-    max_completion_tokens: int | None = Field(
-        None, ge=1, le=MAX_TOKENS_BOUND, description="Alias of max_tokens (newer OpenAI name)."
-    )
-    temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy.")
-    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling mass.")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same output.")
-    stop: str | list[str] | None = Field(None, description="Up to 4 stop strings.")
+    max_tokens: int | None = _sampling("max_tokens", "Most tokens to generate.")
+    max_completion_tokens: int | None = _sampling("max_tokens", "Alias of max_tokens (newer OpenAI name).")
+    temperature: float | None = _sampling("temperature", "0 = greedy.")
+    top_p: float | None = _sampling("top_p", "Nucleus sampling mass.")
+    seed: int | None = _sampling("seed", "Same seed, same output.")
+    stop: str | list[str] | None = Field(None, description=f"Up to {MAX_STOP_STRINGS} stop strings.")
     n: int = Field(1, ge=1, le=8, description="Number of choices, generated independently (seed + index when seeded).")
     logprobs: bool = Field(False, description="Return each generated token's log probability (raw, before penalties).")
     # Declared after logprobs: its validator reads logprobs from the fields already validated.
-    top_logprobs: int | None = Field(
-        None, ge=0, le=20, description="Most likely alternatives to return per token, 0..20; needs logprobs."
+    top_logprobs: int | None = _sampling(
+        "top_logprobs",
+        f"Most likely alternatives to return per token, {SAMPLING_BOUNDS['top_logprobs'].describe()}; needs logprobs.",
     )
-    presence_penalty: float | None = Field(
-        None, ge=-2, le=2, description="Lowers tokens already in the completion, once each; 0 = off."
+    presence_penalty: float | None = _sampling(
+        "presence_penalty", "Lowers tokens already in the completion, once each; 0 = off."
     )
-    frequency_penalty: float | None = Field(
-        None, ge=-2, le=2, description="Lowers tokens by how often they are already in the completion; 0 = off."
+    frequency_penalty: float | None = _sampling(
+        "frequency_penalty", "Lowers tokens by how often they are already in the completion; 0 = off."
     )
 
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(value, list) and len(value) > 4:
-            raise ValueError("at most 4 stop strings")
+        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         return value
 
     @field_validator("top_logprobs")
@@ -171,7 +212,9 @@ class EncodeImageRequest(StrictRequest):
     return_embeddings: bool = Field(False, description="Also return the stored blob (safetensors, base64).")
 
 
-class EncodeImageResponse(BaseModel):
+class EncodeMediaResponse(BaseModel):
+    """The answer of /v1/images/encode and /v1/videos/encode."""
+
     key: str = Field(description="Use as `uuid` of an image_embeds (video: video_embeds) content part.")
     grid_thw: list[int] = Field(description="[t, h, w] in patches; t > 1 for a video of more than two frames.")
     num_tokens: int = Field(description="Prompt tokens the image (or video) occupies.")

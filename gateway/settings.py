@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.grpc_limits import DEFAULT_GRPC_MAX_MESSAGE_BYTES
 from shared.sdk import ChannelConfig
 
+ENV_PREFIX = "GATEWAY_"
+
 
 class GatewaySettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="ignore")
+    # populate_by_name: code still sets an aliased field by its name (max_media_per_request=4).
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", populate_by_name=True)
 
     host: str = Field("0.0.0.0", description="HTTP bind address.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port.")
@@ -22,7 +25,14 @@ class GatewaySettings(BaseSettings):
         description='Routing, as JSON: model name -> LLM service targets, e.g. {"ft-a": ["127.0.0.1:50061"]}.',
     )
     request_timeout_s: float = Field(300.0, gt=0, description="Deadline of one backend call.")
-    max_images_per_request: int = Field(16, gt=0, description="Most images and videos in one chat request.")
+    max_media_per_request: int = Field(
+        16,
+        gt=0,
+        description="Most images and videos in one chat request.",
+        # An alias replaces the env prefix, so both names are spelled out; the second is the name
+        # before videos, still read so existing deployments keep their limit.
+        validation_alias=AliasChoices(f"{ENV_PREFIX}MAX_MEDIA_PER_REQUEST", f"{ENV_PREFIX}MAX_IMAGES_PER_REQUEST"),
+    )
     keep_alive_s: float = Field(
         75.0, gt=0, description="HTTP keep-alive; longer than load balancers' idle timeouts, so they close first."
     )

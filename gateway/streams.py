@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TypeVar
+from typing import TypeVar, cast
 
 T = TypeVar("T")
 _END = object()
@@ -13,8 +13,8 @@ _END = object()
 async def merge_indexed(streams: list[AsyncIterator[T]]) -> AsyncGenerator[tuple[int, T], None]:
     """Items as they arrive, as (index, item). The first error cancels the others and is raised."""
     if len(streams) == 1:  # the common case: no tasks, errors surface directly
-        async for item in streams[0]:
-            yield 0, item
+        async for only in streams[0]:
+            yield 0, only
         return
     queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
 
@@ -30,13 +30,13 @@ async def merge_indexed(streams: list[AsyncIterator[T]]) -> AsyncGenerator[tuple
     try:
         remaining = len(tasks)
         while remaining:
-            index, item = await queue.get()
-            if item is _END:
+            index, arrived = await queue.get()
+            if arrived is _END:
                 remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
+            elif isinstance(arrived, Exception):
+                raise arrived
             else:
-                yield index, item  # type: ignore[misc]
+                yield index, cast(T, arrived)  # put by pump() as a T: neither _END nor an error
     finally:
         for task in tasks:
             task.cancel()

@@ -10,7 +10,7 @@ from llm_service.server import ENGINE_FAILURE_GRACE_S, start_llm_server
 from llm_service.settings import LLMSettings
 from shared.grpc_metrics import serve_metrics
 from shared.grpc_server import serve_until_signal
-from shared.request_context import configure_logging
+from shared.logging_setup import configure_logging
 
 
 async def main() -> int:

@@ -22,7 +22,9 @@ def run_sync_example(stack: Stack, model: str, image_file: Path) -> subprocess.C
 
 
 def run_example(name: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, f"examples/{name}", *args], cwd=REPO, capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [sys.executable, f"examples/{name}", *args], cwd=REPO, capture_output=True, text=True, timeout=180
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,7 @@ def test_sdk_sync_encodes_streams_an_answer_and_prints_stats(stack: Stack, image
     # Answers are free text (tiny random models may emit newlines): read them between markers.
     assert re.search(r"^\[ft-a\] (.+?)\nfinish: ", run.stdout, flags=re.M | re.S)
     assert re.search(r"^finish: (length|stop) \(prompt \d+, completion [1-9]\d* tokens\)$", run.stdout, flags=re.M)
-    assert re.search(r"^encoder stats: images_encoded=[1-9]\d* cache_hits=[1-9]", run.stdout, flags=re.M)
+    assert re.search(r"^encoder stats: media_encoded=[1-9]\d* cache_hits=[1-9]", run.stdout, flags=re.M)
 
 
 def test_sdk_sync_encodes_frames_as_one_video(stack: Stack, tmp_path: Path) -> None:
@@ -71,14 +73,18 @@ def test_sdk_async_asks_two_models_about_one_stored_image(stack: Stack, image_fi
     run = run_example("sdk_async.py", "--encoder", stack.encoder_target, *models, str(image_file))
     assert run.returncode == 0, run.stderr[-2000:]
     assert f"encoded: {image_key} grid_thw=[" in run.stdout and "cache_hit=True" in run.stdout
-    answers = re.search(r"^\[ft-a\] (.+?)\n\[ft-b\] (.+?)\nencoder stats: images_encoded=", run.stdout, flags=re.M | re.S)
+    answers = re.search(
+        r"^\[ft-a\] (.+?)\n\[ft-b\] (.+?)\nencoder stats: media_encoded=", run.stdout, flags=re.M | re.S
+    )
     assert answers and all(text.strip() for text in answers.groups()), run.stdout
 
 
 def test_openai_example_streamed_answer_equals_the_plain_one(stack: Stack, image_file: Path) -> None:
     run = run_example("openai_client.py", "--base-url", f"{stack.base_url}/v1", "--model", "ft-b", str(image_file))
     assert run.returncode == 0, run.stderr[-2000:]
-    plain = re.search(r"^\[ft-b\] (.+?) \(finish: (length|stop), usage: (\d+) tokens\)\n", run.stdout, flags=re.M | re.S)
+    plain = re.search(
+        r"^\[ft-b\] (.+?) \(finish: (length|stop), usage: (\d+) tokens\)\n", run.stdout, flags=re.M | re.S
+    )
     streamed = re.search(r"^\[ft-b, streamed\] (.+?)\nstream usage: ", run.stdout, flags=re.M | re.S)
     assert plain and streamed, run.stdout
     assert streamed.group(1) == plain.group(1)  # greedy: the same tokens either way

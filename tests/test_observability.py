@@ -12,7 +12,7 @@ import httpx
 from openai import OpenAI
 
 from shared.grpc_metrics import serve_metrics
-from shared.request_context import JsonFormatter
+from shared.logging_setup import JsonFormatter
 from tests.harness import Stack, free_port
 from tests.images import data_url, png_bytes
 
