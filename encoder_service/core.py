@@ -15,6 +15,7 @@ import torch
 
 from encoder_service import metrics
 from encoder_service.batcher import LanedBatcher, MicroBatcher
+from encoder_service.blob_arrays import blob_from_tensors
 from encoder_service.fetch import FetchPolicy, fetch_image
 from encoder_service.images import decode_data_url, load_image
 from encoder_service.resize import PixelPolicy
@@ -180,8 +181,7 @@ class EncoderCore:
         async with self.batcher.reserve() as slot:
             pixel_values, grid_thw = await asyncio.to_thread(preprocess)
             embeds = await slot.submit((pixel_values, grid_thw))
-        blob = EmbeddingBlob(embeds, grid_thw, self.encoder_id, modality)
-        data = await asyncio.to_thread(encode_blob, blob, self.rules)
+        blob, data = await asyncio.to_thread(self._blob, embeds, grid_thw, modality)
         await self.store.put(key, data)
         self.counters.images_encoded += 1
         metrics.IMAGES_ENCODED.inc()
@@ -190,6 +190,11 @@ class EncoderCore:
         metrics.ENCODE_SECONDS.observe(elapsed)
         logger.info("encoded %s: %d tokens, %d bytes, %.3fs", key, blob.num_tokens, len(data), elapsed)
         return self._result(key, blob, cache_hit=False)
+
+    def _blob(self, embeds: torch.Tensor, grid_thw: torch.Tensor, modality: Modality) -> tuple[EmbeddingBlob, bytes]:
+        """The tower's output as a validated blob, and its bytes."""
+        blob = blob_from_tensors(embeds, grid_thw, self.encoder_id, modality)
+        return blob, encode_blob(blob, self.rules)
 
     def _result(self, key: str, blob: EmbeddingBlob, cache_hit: bool) -> EncodeResult:
         grid = [int(v) for v in blob.grid_thw[0].tolist()]

@@ -14,13 +14,12 @@ import struct
 import tokenize
 
 import numpy as np
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as load_safetensors
 
 from shared.blob import (
+    Array,
     EmbeddingBlob,
     Modality,
+    layout_view,
     parse_safetensors_header,
     serialize_unvalidated,
     split_safetensors_header,
@@ -29,8 +28,8 @@ from shared.blob import (
 from shared.errors import InvalidEmbedding, InvalidInput, clip
 
 NPY_MAGIC = b"\x93NUMPY"
-# Little-endian, as the hosts we run on are; torch takes the data as it lies.
-NPY_DTYPES = {np.dtype("<f4"): torch.float32, np.dtype("<f2"): torch.float16}
+# Little-endian, as blobs store it; the data is taken as it lies.
+NPY_DTYPES = {np.dtype("<f4"): "float32", np.dtype("<f2"): "float16"}
 SAFE_FORMATS = "send the tensor as .npy bytes (numpy.save) or safetensors bytes, base64-encoded"
 
 
@@ -57,8 +56,8 @@ def _npy_header(stream: io.BytesIO, name: str, param: str) -> tuple[tuple[int, .
     raise InvalidInput(f"{name} .npy format version {version} is not supported (1.0 or 2.0)", param=param)
 
 
-def _from_npy(raw: bytes, name: str, param: str) -> torch.Tensor:
-    """The [tokens, hidden] tensor the header describes, checked against the bytes present before
+def _from_npy(raw: bytes, name: str, param: str) -> tuple[str, Array]:
+    """(dtype, the [tokens, hidden] array the header describes), checked against the bytes present before
     anything is allocated (np.load allocates whatever shape a header claims, then fails to fill
     it), and a view of `raw` when in C order."""
     stream = io.BytesIO(raw)
@@ -74,30 +73,32 @@ def _from_npy(raw: bytes, name: str, param: str) -> torch.Tensor:
             f"{present} data bytes present",
             param=param,
         )
-    torch_dtype = NPY_DTYPES[dtype]
     if fortran_order:  # the transpose, stored row by row; one copy makes it [tokens, hidden] in C order
-        return tensor_view(raw, stream.tell(), torch_dtype, shape[::-1], 0, present).T.contiguous()
-    return tensor_view(raw, stream.tell(), torch_dtype, shape, 0, present)
+        array = np.ascontiguousarray(tensor_view(raw, stream.tell(), dtype, shape[::-1], 0, present).T)
+    else:
+        array = tensor_view(raw, stream.tell(), dtype, shape, 0, present)
+    return NPY_DTYPES[dtype], array
 
 
-def _from_safetensors(raw: bytes, name: str, param: str) -> torch.Tensor:
-    # The header is checked against the payload first, as stored blobs are (shared.blob): declared
-    # sizes must fill the data exactly, so loading never allocates more than the payload.
+def _from_safetensors(raw: bytes, name: str, param: str) -> tuple[str, Array]:
+    """(dtype, the tensor named `name`, or the only one), a view of `raw`. The header is checked
+    against the payload as stored blobs are (shared.blob): declared sizes must fill the data
+    exactly, so nothing larger than the payload is ever allocated."""
     try:
         header, start = split_safetensors_header(raw, param)
-        parse_safetensors_header(header, len(raw) - start)
-        tensors = load_safetensors(raw)
-    except (InvalidEmbedding, ValueError, SafetensorError, RecursionError):
+        _, layout = parse_safetensors_header(header, len(raw) - start)
+    except (InvalidEmbedding, ValueError, RecursionError):
         raise InvalidInput(f"{name} safetensors payload is not valid", param=param) from None
-    if name in tensors:
-        return tensors[name]
-    if len(tensors) != 1:
+    if name in layout:
+        return layout_view(raw, start, layout[name])
+    if len(layout) != 1:
         raise InvalidInput(f"{name} safetensors payload must hold one tensor (or one named {name})", param=param)
-    return next(iter(tensors.values()))
+    return layout_view(raw, start, next(iter(layout.values())))
 
 
-def decode_inline_tensor(encoded: str, param: str, modality: Modality = "image") -> torch.Tensor:
-    """The [tokens, hidden] tensor inside a base64 `.npy` or safetensors payload."""
+def decode_inline_tensor(encoded: str, param: str, modality: Modality = "image") -> tuple[str, Array]:
+    """(dtype, the [tokens, hidden] array) inside a base64 `.npy` or safetensors payload; a
+    bfloat16 array is held as its bits (see shared.blob)."""
     name = f"{modality}_embeds"
     try:
         raw = base64.b64decode(encoded, validate=True)
@@ -116,6 +117,6 @@ def decode_inline_tensor(encoded: str, param: str, modality: Modality = "image")
 
 def inline_blob(encoded: str, grid_thw: list[int], encoder_id: str, param: str, modality: Modality = "image") -> bytes:
     """A blob for the LLM service, which validates it like a stored one."""
-    embeds = decode_inline_tensor(encoded, param, modality)
-    grid = torch.tensor([grid_thw], dtype=torch.int64)
-    return serialize_unvalidated(EmbeddingBlob(embeds, grid, encoder_id, modality))
+    dtype, embeds = decode_inline_tensor(encoded, param, modality)
+    grid = np.array([grid_thw], dtype=np.int64)
+    return serialize_unvalidated(EmbeddingBlob(embeds, grid, encoder_id, modality, dtype))

@@ -10,7 +10,7 @@ from shared.blob import EmbeddingBlob
 
 
 def blob_bytes(blob: EmbeddingBlob) -> int:
-    return blob.embeds.numel() * blob.embeds.element_size() + blob.grid_thw.numel() * blob.grid_thw.element_size()
+    return int(blob.embeds.nbytes + blob.grid_thw.nbytes)
 
 
 class BlobCache:

@@ -5,6 +5,12 @@ A blob is safetensors bytes (never pickle) holding
   `image_grid_thw` [n, 3]            int64, one (t, h, w) row per image, in patches
 (`video_embeds` / `video_grid_thw` for video) and string metadata: schema, encoder_id,
 modality, dtype. tokens == sum(t*h*w) // merge_size**2.
+
+The codec works on bytes and numpy, never torch: the gateway checks and forwards blobs without
+loading it. Torch tensors are made where they are needed: from the vision tower's output in the
+encoder (encoder_service/blob_arrays.py), for an engine in the LLM service (llm_service/blob_tensors.py).
+numpy has no bfloat16, so a bfloat16 blob holds its values' bits as uint16 (the bytes safetensors
+stores for BF16), and `EmbeddingBlob.dtype` says which float the array stands for.
 """
 
 from __future__ import annotations
@@ -13,45 +19,53 @@ import functools
 import json
 import math
 import struct
-import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-import torch
-from safetensors.torch import save as save_safetensors
+import numpy.typing as npt
 
 from shared.errors import IncompatibleEncoder, InvalidEmbedding, clip
 
 SCHEMA_VERSION = "1"
 Modality = Literal["image", "video"]
-_Layout = tuple[torch.dtype, tuple[int, ...], int, int]  # dtype, shape, begin, end (from the data start)
-ALLOWED_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-_EXPONENT_BITS = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
-# safetensors dtype names; a blob holding another kind of tensor is refused as malformed.
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "BOOL": torch.bool,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
+EmbedDtype = Literal["float32", "float16", "bfloat16"]
+Array = npt.NDArray[Any]
+# The array each embedding dtype is held in (little-endian, as safetensors stores data).
+EMBED_ARRAYS: dict[str, np.dtype[Any]] = {
+    "float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2"),
 }  # fmt: skip
-# decode_blob's tensors are views of the fetched bytes, which cannot be made writable without the
-# copy we avoid; torch warns once per process that it cannot mark such tensors read-only. They are
-# only ever read (engines copy them with cat), so that one warning is taken here, silenced.
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", UserWarning)
-    torch.frombuffer(b"\0", dtype=torch.uint8)
+# A 16-bit float is finite iff its exponent bits are not all ones.
+_EXPONENT_BITS = {"float16": 0x7C00, "bfloat16": 0x7F80}
+# safetensors dtype -> (our dtype name, the numpy array holding it). 8-bit floats, like bfloat16,
+# are held as their bits. A blob holding anything but the embedding dtypes and an int64 grid is
+# refused by validate_blob, with the name in its message.
+_SAFETENSORS_DTYPES: dict[str, tuple[str, np.dtype[Any]]] = {
+    "F64": ("float64", np.dtype("<f8")), "F32": ("float32", np.dtype("<f4")),
+    "F16": ("float16", np.dtype("<f2")), "BF16": ("bfloat16", np.dtype("<u2")),
+    "F8_E4M3": ("float8_e4m3fn", np.dtype("u1")), "F8_E5M2": ("float8_e5m2", np.dtype("u1")),
+    "BOOL": ("bool", np.dtype("?")),
+    "I64": ("int64", np.dtype("<i8")), "I32": ("int32", np.dtype("<i4")),
+    "I16": ("int16", np.dtype("<i2")), "I8": ("int8", np.dtype("i1")),
+    "U64": ("uint64", np.dtype("<u8")), "U32": ("uint32", np.dtype("<u4")),
+    "U16": ("uint16", np.dtype("<u2")), "U8": ("uint8", np.dtype("u1")),
+}  # fmt: skip
+# Our dtype name -> safetensors dtype, for writing.
+_SAFETENSORS_NAMES = {name: code for code, (name, _) in _SAFETENSORS_DTYPES.items()}
+_Layout = tuple[str, tuple[int, ...], int, int]  # safetensors dtype, shape, begin, end (from the data start)
 
 
 @dataclass(frozen=True)
 class EmbeddingBlob:
-    """Decoded blobs share memory with the bytes they came from: read their tensors, never write
-    them in place (copy first)."""
+    """`embeds` [tokens, hidden] is a float32 or float16 array, or for "bfloat16" the values' bits
+    as uint16; `dtype` names which. Decoded blobs share memory with the bytes they came from (their
+    arrays are read-only): read them, never write them in place (copy first)."""
 
-    embeds: torch.Tensor  # [tokens, hidden]
-    grid_thw: torch.Tensor  # [n, 3] int64
+    embeds: Array  # [tokens, hidden]
+    grid_thw: Array  # [n, 3] int64
     encoder_id: str
     modality: Modality = "image"
+    dtype: str = "float32"  # an EmbedDtype once validated; a decoded blob may name any other
 
     @property
     def num_tokens(self) -> int:
@@ -67,31 +81,39 @@ class BlobRules:
     accepted_encoder_ids: frozenset[str]
 
 
-def tokens_for_grid(grid_thw: torch.Tensor, merge_size: int) -> int:
+def tokens_for_grid(grid_thw: npt.ArrayLike, merge_size: int) -> int:
     """Embedding rows (= prompt pad tokens) that a [n, 3] grid stands for."""
-    return sum(math.prod(row) for row in grid_thw.tolist()) // (merge_size**2)
+    return sum(math.prod(row) for row in np.asarray(grid_thw).reshape(-1, 3).tolist()) // (merge_size**2)
 
 
-def _all_finite(values: torch.Tensor) -> bool:
-    # In numpy, not torch: torch splits a reduction over its OpenMP threads, and on a busy machine
-    # waking them costs milliseconds, far more than the work itself (measured under load: 8-12 ms
-    # against 0.3 ms for a 0.8 MB float32 blob). float32: a sum is finite only if every element
-    # is, and one reduction is several times faster than isfinite() over megabytes; the exact
-    # check runs only when the sum is inf/NaN (or overflowed). 16-bit floats (numpy sums them
-    # slowly, or not at all): a value is finite iff its exponent bits are not all ones.
-    if values.device.type != "cpu":
-        return bool(torch.isfinite(values).all())
-    values = values.detach()
-    if values.numel() == 0:
+def _all_finite(embeds: Array, dtype: str) -> bool:
+    # In numpy: torch splits a reduction over its OpenMP threads, and on a busy machine waking them
+    # costs milliseconds, far more than the work itself (measured under load: 8-12 ms against
+    # 0.3 ms for a 0.8 MB float32 blob). float32: a sum is finite only if every element is, and
+    # one reduction is several times faster than isfinite() over megabytes; the exact check runs
+    # only when the sum is inf/NaN (or overflowed). 16-bit floats (numpy sums them slowly, or not
+    # at all for bfloat16): the exponent bits are checked.
+    if embeds.size == 0:
         return True
-    exponent = _EXPONENT_BITS.get(values.dtype)
+    exponent = _EXPONENT_BITS.get(dtype)
     if exponent is not None:
-        bits = values.view(torch.int16).numpy().view(np.uint16)
-        return int((bits & exponent).max()) != exponent
-    array = values.numpy().reshape(-1)
+        return int((embeds.view(np.uint16) & exponent).max()) != exponent
+    flat = embeds.reshape(-1)
     with np.errstate(all="ignore"):  # an overflowing sum is expected, and answered below
         # einsum's plain SIMD sum is twice as fast as sum()'s pairwise one; only finiteness matters.
-        return bool(np.isfinite(np.einsum("i->", array))) or bool(np.isfinite(array).all())
+        return bool(np.isfinite(np.einsum("i->", flat))) or bool(np.isfinite(flat).all())
+
+
+def _check_dtype(blob: EmbeddingBlob, where: str, param: str | None) -> np.dtype[Any]:
+    """The array dtype `blob.dtype` is held in, once both are known to agree."""
+    expected = EMBED_ARRAYS.get(blob.dtype)
+    if expected is None:
+        raise InvalidEmbedding(f"{where} dtype {clip(blob.dtype)} is not one of {sorted(EMBED_ARRAYS)}", param=param)
+    if blob.embeds.dtype != expected:
+        raise InvalidEmbedding(
+            f"{where} dtype {blob.dtype} is held as {expected}, but the array is {blob.embeds.dtype}", param=param
+        )
+    return expected
 
 
 def validate_blob(blob: EmbeddingBlob, rules: BlobRules, where: str = "embedding") -> None:
@@ -104,15 +126,12 @@ def validate_blob(blob: EmbeddingBlob, rules: BlobRules, where: str = "embedding
     embeds, grid = blob.embeds, blob.grid_thw
     if embeds.ndim != 2:
         raise InvalidEmbedding(f"{where} must be 2-D [tokens, hidden], got shape {list(embeds.shape)}", param=where)
-    if embeds.dtype not in ALLOWED_DTYPES:
-        raise InvalidEmbedding(
-            f"{where} dtype {embeds.dtype} is not one of {sorted(ALLOWED_DTYPES.values())}", param=where
-        )
-    if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] < 1 or grid.dtype != torch.int64:
+    _check_dtype(blob, where, param=where)
+    if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] < 1 or grid.dtype != np.int64:
         raise InvalidEmbedding(
             f"{where} grid_thw must be int64 [n, 3], got {grid.dtype} {list(grid.shape)}", param=where
         )
-    # The grid is a few numbers: Python arithmetic on one tolist() beats several tiny torch ops.
+    # The grid is a few numbers: Python arithmetic on one tolist() beats several tiny numpy ops.
     rows = grid.tolist()
     if any(value <= 0 for row in rows for value in row):
         raise InvalidEmbedding(f"{where} grid_thw values must be positive", param=where)
@@ -128,7 +147,7 @@ def validate_blob(blob: EmbeddingBlob, rules: BlobRules, where: str = "embedding
         raise InvalidEmbedding(
             f"{where} hidden size is {embeds.shape[1]}, the model's is {rules.hidden_size}", param=where
         )
-    if not _all_finite(embeds):
+    if not _all_finite(embeds, blob.dtype):
         raise InvalidEmbedding(f"{where} contains NaN or infinite values", param=where)
 
 
@@ -141,17 +160,35 @@ def encode_blob(blob: EmbeddingBlob, rules: BlobRules) -> bytes:
 def serialize_unvalidated(blob: EmbeddingBlob) -> bytes:
     """Serializes without checking: only for forwarding client tensors to a service that
     validates them on read (the gateway does not know each model's rules)."""
-    if blob.embeds.dtype not in ALLOWED_DTYPES:
-        raise InvalidEmbedding(f"embedding dtype {blob.embeds.dtype} is not one of {sorted(ALLOWED_DTYPES.values())}")
+    _check_dtype(blob, "embedding", param=None)
+    grid_dtype = _SAFETENSORS_NAMES.get(str(blob.grid_thw.dtype))  # the reader refuses all but int64
+    if grid_dtype is None:
+        raise InvalidEmbedding(f"embedding grid_thw of dtype {blob.grid_thw.dtype} cannot be stored")
     prefix = blob.modality
-    tensors = {f"{prefix}_embeds": blob.embeds.contiguous(), f"{prefix}_grid_thw": blob.grid_thw.contiguous()}
-    metadata = {
-        "schema": SCHEMA_VERSION,
-        "encoder_id": blob.encoder_id,
-        "modality": blob.modality,
-        "dtype": ALLOWED_DTYPES[blob.embeds.dtype],
+    tensors = {
+        f"{prefix}_embeds": (_SAFETENSORS_NAMES[blob.dtype], blob.embeds),
+        f"{prefix}_grid_thw": (grid_dtype, blob.grid_thw),
     }
-    return save_safetensors(tensors, metadata=metadata)
+    metadata = {"schema": SCHEMA_VERSION, "encoder_id": blob.encoder_id, "modality": blob.modality, "dtype": blob.dtype}
+    return write_safetensors(tensors, metadata)
+
+
+def write_safetensors(tensors: dict[str, tuple[str, Array]], metadata: dict[str, str]) -> bytes:
+    """safetensors bytes of `tensors` (name -> (safetensors dtype, little-endian array)), laid out
+    as safetensors itself writes them: tensors with larger elements first (then by name), so each
+    starts aligned to its element size, and the JSON header padded with spaces to a multiple of 8.
+    Unlike safetensors, the metadata keeps its order: blobs of one shape share their header byte
+    for byte, which parse_safetensors_header's cache relies on."""
+    ordered = sorted(tensors.items(), key=lambda item: (-item[1][1].dtype.itemsize, item[0]))
+    header: dict[str, Any] = {"__metadata__": metadata}
+    arrays, offset = [], 0
+    for name, (dtype, array) in ordered:
+        arrays.append(np.ascontiguousarray(array).data)  # joined below without another copy
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return b"".join([struct.pack("<Q", len(encoded)), encoded, *arrays])
 
 
 def split_safetensors_header(data: bytes, where: str) -> tuple[bytes, int]:
@@ -182,7 +219,8 @@ def _parse_header_uncached(header: bytes, data_len: int) -> tuple[dict[str, Any]
         raise ValueError(f"bad header: {error.msg}") from None
     except UnicodeDecodeError:
         raise ValueError("bad header: not UTF-8") from None
-    parsed = parsed if isinstance(parsed, dict) else {}
+    if not isinstance(parsed, dict):
+        raise ValueError("bad header: not a JSON object")
     metadata = parsed.get("__metadata__")
     return (metadata if isinstance(metadata, dict) else {}), _tensor_layout(parsed, data_len)
 
@@ -204,13 +242,14 @@ def _tensor_layout(header: dict[str, Any], data_len: int) -> dict[str, _Layout]:
                 raise ValueError("__metadata__ must map strings to strings")
             continue
         try:
-            dtype, shape, (begin, end) = _SAFETENSORS_DTYPES[entry["dtype"]], entry["shape"], entry["data_offsets"]
+            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            itemsize = _SAFETENSORS_DTYPES[dtype][1].itemsize
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"tensor {name!r} lacks a known dtype, a shape or two data_offsets") from None
         if not isinstance(shape, list) or not all(type(v) is int and v >= 0 for v in [*shape, begin, end]):
             raise ValueError(f"tensor {name!r} has a bad shape or data_offsets")
-        if math.prod(shape) * dtype.itemsize != end - begin:
-            raise ValueError(f"tensor {name!r}: shape {shape} of {entry['dtype']} does not fill bytes {begin}..{end}")
+        if math.prod(shape) * itemsize != end - begin:
+            raise ValueError(f"tensor {name!r}: shape {shape} of {dtype} does not fill bytes {begin}..{end}")
         layout[name] = (dtype, tuple(shape), begin, end)
     position = 0
     for _, _, begin, end in sorted(layout.values(), key=lambda item: item[2]):
@@ -222,23 +261,28 @@ def _tensor_layout(header: dict[str, Any], data_len: int) -> dict[str, _Layout]:
     return layout
 
 
-def tensor_view(
-    data: bytes, start: int, dtype: torch.dtype, shape: tuple[int, ...], begin: int, end: int
-) -> torch.Tensor:
-    """A tensor over data[start + begin : start + end], sharing its memory (copied only if misaligned).
-    safetensors data is little-endian, as every host we run on is."""
+def tensor_view(data: bytes, start: int, dtype: np.dtype[Any], shape: tuple[int, ...], begin: int, end: int) -> Array:
+    """An array over data[start + begin : start + end], sharing its memory (copied only if misaligned,
+    so that torch can take it as it is). safetensors data is little-endian, as `dtype` must say."""
     if begin == end:
-        return torch.empty(shape, dtype=dtype)  # frombuffer refuses zero bytes
-    raw = torch.frombuffer(data, dtype=torch.uint8, count=end - begin, offset=start + begin)
-    if raw.data_ptr() % dtype.itemsize:
-        raw = raw.clone()
+        return np.empty(shape, dtype)
+    raw = np.frombuffer(data, np.uint8, count=end - begin, offset=start + begin)
+    if raw.ctypes.data % dtype.itemsize:
+        raw = raw.copy()
     return raw.view(dtype).reshape(shape)
+
+
+def layout_view(data: bytes, start: int, layout: _Layout) -> tuple[str, Array]:
+    """(dtype name, array) of one tensor of a parsed header; see tensor_view and EmbeddingBlob."""
+    dtype, shape, begin, end = layout
+    name, array_dtype = _SAFETENSORS_DTYPES[dtype]
+    return name, tensor_view(data, start, array_dtype, shape, begin, end)
 
 
 def decode_blob(data: bytes, rules: BlobRules, where: str = "embedding") -> EmbeddingBlob:
     """Parses safetensors bytes into a validated blob; never unpickles anything.
 
-    Zero-copy: the tensors are views of `data`, which they keep alive (see EmbeddingBlob)."""
+    Zero-copy: the arrays are views of `data`, which they keep alive (see EmbeddingBlob)."""
     header, start = split_safetensors_header(data, where)
     try:
         metadata, layout = parse_safetensors_header(header, len(data) - start)
@@ -254,8 +298,8 @@ def decode_blob(data: bytes, rules: BlobRules, where: str = "embedding") -> Embe
     embeds, grid = layout.get(f"{modality}_embeds"), layout.get(f"{modality}_grid_thw")
     if embeds is None or grid is None:
         raise InvalidEmbedding(f"{where} lacks {modality}_embeds or {modality}_grid_thw", param=where)
-    blob = EmbeddingBlob(
-        tensor_view(data, start, *embeds), tensor_view(data, start, *grid), metadata.get("encoder_id", ""), modality
-    )
+    dtype, embeds_array = layout_view(data, start, embeds)
+    _, grid_array = layout_view(data, start, grid)
+    blob = EmbeddingBlob(embeds_array, grid_array, metadata.get("encoder_id", ""), modality, dtype)
     validate_blob(blob, rules, where)
     return blob

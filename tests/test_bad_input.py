@@ -8,11 +8,11 @@ import time
 import zlib
 
 import httpx
+import numpy as np
 import pytest
-import torch
 from openai import OpenAI
 
-from shared.blob import BlobRules, EmbeddingBlob, encode_blob
+from shared.blob import BlobRules, EmbeddingBlob, encode_blob, serialize_unvalidated
 from shared.errors import EmbeddingNotFound, IncompatibleEncoder, InvalidEmbedding, ServiceError
 from shared.keys import embedding_key
 from shared.sdk import EncoderClient, ImageKey, InlineEmbedding, LLMClient, Message, Sampling
@@ -154,18 +154,18 @@ def test_gateway_re_encodes_once_when_a_key_vanishes_before_generate(stack: Stac
 @pytest.mark.parametrize("model", ["ft-a", "ft-b"])  # ft-a runs vLLM where installed, which dies on bad shapes
 def test_bad_blobs_are_rejected_before_the_engine_and_service_keeps_answering(stack: Stack, model: str) -> None:
     encoder_id = EncoderClient(stack.encoder_target).stats().encoder_id
-    grid = torch.tensor([[1, 4, 4]])
+    grid = np.array([[1, 4, 4]])
     cases = [
-        (EmbeddingBlob(torch.randn(4, HIDDEN), grid, "qwen2vl-other"), IncompatibleEncoder, "qwen2vl-other"),
-        (EmbeddingBlob(torch.randn(4, 64), grid, encoder_id), InvalidEmbedding, "hidden size"),
-        (EmbeddingBlob(torch.randn(5, HIDDEN), grid, encoder_id), InvalidEmbedding, "implies 4"),
-        (EmbeddingBlob(torch.randn(1, 4, HIDDEN), grid, encoder_id), InvalidEmbedding, "2-D"),
+        (EmbeddingBlob(_randn(4, HIDDEN), grid, "qwen2vl-other"), IncompatibleEncoder, "qwen2vl-other"),
+        (EmbeddingBlob(_randn(4, 64), grid, encoder_id), InvalidEmbedding, "hidden size"),
+        (EmbeddingBlob(_randn(5, HIDDEN), grid, encoder_id), InvalidEmbedding, "implies 4"),
+        (EmbeddingBlob(_randn(1, 4, HIDDEN), grid, encoder_id), InvalidEmbedding, "2-D"),
     ]
     with LLMClient(stack.llm_target(model)) as llm:
         for blob, error_class, message in cases:
             with pytest.raises(error_class, match=message):
-                list(llm.generate(model, [Message("user", [InlineEmbedding(_unchecked_blob(blob)), "hi"])]))
-        good = EmbeddingBlob(torch.randn(4, HIDDEN), grid, encoder_id)
+                list(llm.generate(model, [Message("user", [InlineEmbedding(serialize_unvalidated(blob)), "hi"])]))
+        good = EmbeddingBlob(_randn(4, HIDDEN), grid, encoder_id)
         rules = BlobRules(2, HIDDEN, frozenset({encoder_id}))
         chunks = list(
             llm.generate(
@@ -175,20 +175,16 @@ def test_bad_blobs_are_rejected_before_the_engine_and_service_keeps_answering(st
     assert chunks[-1].finish_reason in ("stop", "length")
 
 
-def _unchecked_blob(blob: EmbeddingBlob) -> bytes:
-    """Serializes a blob that breaks the row/grid invariant (what a buggy client might send)."""
-    from safetensors.torch import save
-
-    metadata = {"schema": "1", "encoder_id": blob.encoder_id, "modality": "image", "dtype": "float32"}
-    return save({"image_embeds": blob.embeds, "image_grid_thw": blob.grid_thw}, metadata=metadata)
+def _randn(*shape: int) -> np.ndarray:
+    return np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
 
 
 def test_corrupt_stored_blob_is_a_client_error_via_gateway(stack: Stack) -> None:
     encoder_id = EncoderClient(stack.encoder_target).stats().encoder_id
     key = embedding_key(encoder_id, b"corrupt entry", 1, 2)
-    stack.redis.client().set(
-        key, _unchecked_blob(EmbeddingBlob(torch.randn(3, HIDDEN), torch.tensor([[1, 4, 4]]), encoder_id)), ex=60
-    )
+    # 3 rows for a grid that implies 4: what a buggy writer might store
+    stored = serialize_unvalidated(EmbeddingBlob(_randn(3, HIDDEN), np.array([[1, 4, 4]]), encoder_id))
+    stack.redis.client().set(key, stored, ex=60)
     part = {"type": "image_embeds", "image_embeds": None, "uuid": key}
     _assert_error(_chat(stack, _image_chat("ft-a", part)), 400, code="invalid_embedding")
 

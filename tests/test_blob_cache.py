@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-import torch
+import numpy as np
 
 from llm_service.blob_cache import BlobCache, blob_bytes
 from shared.blob import EmbeddingBlob
@@ -16,7 +16,7 @@ from tests.images import png_bytes
 
 
 def _blob(rows: int) -> EmbeddingBlob:
-    return EmbeddingBlob(torch.zeros(rows, 4), torch.tensor([[1, 2, 2 * rows]]), "enc")
+    return EmbeddingBlob(np.zeros((rows, 4), np.float32), np.array([[1, 2, 2 * rows]]), "enc")
 
 
 def test_lru_evicts_least_recently_used_within_the_byte_budget() -> None:

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
-import torch
 
 from shared.blob import BlobRules, EmbeddingBlob, decode_blob, encode_blob
 from shared.errors import (
@@ -27,33 +27,39 @@ from shared.keys import embedding_key, encoder_id_of_key
 
 RULES = BlobRules(merge_size=2, hidden_size=8, accepted_encoder_ids=frozenset({"enc-a"}))
 REPO = Path(__file__).resolve().parent.parent
+GRID = np.array([[1, 4, 6]])  # int64
+
+
+def _randn(*shape: int) -> np.ndarray:
+    return np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
 
 
 def _blob(
     rows: int = 6, hidden: int = 8, grid: list[list[int]] | None = None, encoder_id: str = "enc-a"
 ) -> EmbeddingBlob:
-    grid_tensor = torch.tensor(grid or [[1, 4, 6]], dtype=torch.int64)
-    return EmbeddingBlob(torch.randn(rows, hidden), grid_tensor, encoder_id)
+    return EmbeddingBlob(_randn(rows, hidden), np.array(grid or [[1, 4, 6]], dtype=np.int64), encoder_id)
 
 
 def test_blob_round_trip_keeps_tensors_and_metadata() -> None:
     blob = _blob()
     decoded = decode_blob(encode_blob(blob, RULES), RULES)
-    assert torch.equal(decoded.embeds, blob.embeds)
-    assert torch.equal(decoded.grid_thw, blob.grid_thw)
+    assert np.array_equal(decoded.embeds, blob.embeds) and decoded.dtype == "float32"
+    assert np.array_equal(decoded.grid_thw, blob.grid_thw) and decoded.grid_thw.dtype == np.int64
     assert (decoded.encoder_id, decoded.modality, decoded.num_tokens) == ("enc-a", "image", 6)
 
 
 @pytest.mark.parametrize(
     ("blob", "message"),
     [
-        (EmbeddingBlob(torch.randn(1, 6, 8), torch.tensor([[1, 4, 6]]), "enc-a"), "2-D"),
+        (EmbeddingBlob(_randn(1, 6, 8), GRID, "enc-a"), "2-D"),
         (_blob(rows=5), "implies 6"),
         (_blob(hidden=16), "hidden size is 16"),
         (_blob(grid=[[1, 3, 3]], rows=2), "divisible"),
         (_blob(grid=[[0, 4, 6]]), "positive"),
-        (EmbeddingBlob(torch.full((6, 8), float("nan")), torch.tensor([[1, 4, 6]]), "enc-a"), "NaN"),
-        (EmbeddingBlob(torch.randn(6, 8), torch.tensor([[1, 4, 6]], dtype=torch.int32), "enc-a"), "int64"),
+        (EmbeddingBlob(np.full((6, 8), np.nan, np.float32), GRID, "enc-a"), "NaN"),
+        (EmbeddingBlob(_randn(6, 8), GRID.astype(np.int32), "enc-a"), "int64"),
+        (EmbeddingBlob(_randn(6, 8).astype(np.float64), GRID, "enc-a", dtype="float64"), "is not one of"),
+        (EmbeddingBlob(_randn(6, 8).astype(np.float16), GRID, "enc-a"), "the array is float16"),
     ],
 )
 def test_invariants_reject_bad_blobs_on_write(blob: EmbeddingBlob, message: str) -> None:
@@ -136,10 +142,11 @@ def test_generated_stubs_are_up_to_date(tmp_path: Path) -> None:
 
 
 def test_large_finite_values_whose_sum_overflows_are_still_accepted() -> None:
-    embeds = torch.full((6, 8), 60000.0, dtype=torch.float16)  # the float16 sum overflows to inf
-    assert not torch.isfinite(embeds.sum())
-    decoded = decode_blob(encode_blob(EmbeddingBlob(embeds, torch.tensor([[1, 4, 6]]), "enc-a"), RULES), RULES)
-    assert torch.equal(decoded.embeds, embeds)
-    embeds[3, 2] = float("inf")
+    embeds = np.full((6, 8), 60000.0, dtype=np.float16)  # the float16 sum overflows to inf
+    with np.errstate(over="ignore"):
+        assert not np.isfinite(embeds.sum())
+    decoded = decode_blob(encode_blob(EmbeddingBlob(embeds, GRID, "enc-a", dtype="float16"), RULES), RULES)
+    assert np.array_equal(decoded.embeds, embeds) and decoded.dtype == "float16"
+    embeds[3, 2] = np.inf
     with pytest.raises(InvalidEmbedding, match="infinite"):
-        encode_blob(EmbeddingBlob(embeds, torch.tensor([[1, 4, 6]]), "enc-a"), RULES)
+        encode_blob(EmbeddingBlob(embeds, GRID, "enc-a", dtype="float16"), RULES)

@@ -18,7 +18,6 @@ import tracemalloc
 from collections.abc import Callable
 
 import numpy as np
-import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -36,7 +35,8 @@ MEMORY_SLACK = 8 * 1024 * 1024
 
 
 def _valid_blob() -> bytes:
-    blob = EmbeddingBlob(torch.randn(4, HIDDEN), torch.tensor([[1, 4, 4]]), ENCODER_ID)
+    embeds = np.random.default_rng(0).standard_normal((4, HIDDEN), dtype=np.float32)
+    blob = EmbeddingBlob(embeds, np.array([[1, 4, 4]]), ENCODER_ID)
     return encode_blob(blob, RULES)
 
 

@@ -1,6 +1,6 @@
 """Layers that do not lean on each other, checked in fresh interpreters: the SDK depends on
-contracts only (no server runtime, no model code), and the servers never load the builder of
-test checkpoints."""
+contracts only (no server runtime, no model code), the gateway loads no model code, and the
+servers never load the builder of test checkpoints."""
 
 from __future__ import annotations
 
@@ -24,6 +24,12 @@ def _loaded(module: str, candidates: tuple[str, ...]) -> list[str]:
 def test_importing_the_sdk_loads_no_server_runtime() -> None:
     runtime_or_models = ("redis", "prometheus_client", "pydantic_settings", "torch", "transformers", "fastapi")
     assert _loaded("shared.sdk", runtime_or_models) == []
+
+
+def test_the_gateway_and_the_blob_codec_load_no_model_code() -> None:
+    """The gateway only checks and forwards blobs: it works on bytes and numpy (shared/blob.py)."""
+    for module in ("gateway.app", "shared.blob", "gateway.inline_embeds"):
+        assert _loaded(module, ("torch", "transformers", "safetensors")) == [], module
 
 
 def test_servers_do_not_load_the_test_checkpoint_builder() -> None:

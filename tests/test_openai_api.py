@@ -129,9 +129,9 @@ def test_api_keys_are_required_and_never_echoed(strict_gateway: str) -> None:
     assert httpx.get(f"{strict_gateway}/health").status_code == 200  # probes need no key
 
 
-def _npy_b64(tensor: torch.Tensor) -> str:
+def _npy_b64(array: np.ndarray) -> str:
     buffer = io.BytesIO()
-    np.save(buffer, tensor.numpy())
+    np.save(buffer, array)
     return base64.b64encode(buffer.getvalue()).decode()
 
 
