@@ -18,6 +18,7 @@ from encoder_service.batcher import LanedBatcher, MicroBatcher
 from encoder_service.blob_arrays import blob_from_tensors
 from encoder_service.fetch import FetchPolicy, fetch_image
 from encoder_service.images import decode_data_url, load_image
+from encoder_service.metrics import EncoderCounters
 from encoder_service.resize import PixelPolicy
 from encoder_service.video import preprocess_video
 from encoder_service.vision import Preprocessed, VisionEncoder
@@ -44,13 +45,6 @@ class EncodeResult:
     num_tokens: int
     cache_hit: bool
     encoder_id: str
-
-
-@dataclass
-class EncoderCounters:
-    images_encoded: int = 0
-    cache_hits: int = 0
-    coalesced: int = 0
 
 
 @dataclass(frozen=True)
@@ -119,7 +113,6 @@ class EncoderCore:
         running = self._in_flight.get(key)
         if running is not None:
             self.counters.coalesced += 1
-            metrics.COALESCED.inc()
             result = await asyncio.shield(running)
             return EncodeResult(result.key, result.grid_thw, result.num_tokens, True, result.encoder_id)
         task = asyncio.create_task(self._encode_or_reuse(key, modality, preprocess))
@@ -171,7 +164,6 @@ class EncoderCore:
             try:
                 blob = decode_blob(stored, self.rules, where=key)
                 self.counters.cache_hits += 1
-                metrics.CACHE_HITS.inc()
                 return self._result(key, blob, cache_hit=True)
             except InvalidEmbedding:
                 logger.warning("stored blob %s breaks the contract; re-encoding", key)
@@ -184,7 +176,6 @@ class EncoderCore:
         blob, data = await asyncio.to_thread(self._blob, embeds, grid_thw, modality)
         await self.store.put(key, data)
         self.counters.images_encoded += 1
-        metrics.IMAGES_ENCODED.inc()
         metrics.BLOB_BYTES.observe(len(data))
         elapsed = time.perf_counter() - started
         metrics.ENCODE_SECONDS.observe(elapsed)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from llm_service import metrics
 from shared.blob import EmbeddingBlob
 
 
@@ -14,14 +15,13 @@ def blob_bytes(blob: EmbeddingBlob) -> int:
 
 
 class BlobCache:
-    """Least-recently-used eviction by total tensor bytes; max_bytes 0 disables it."""
+    """Least-recently-used eviction by total array bytes; max_bytes 0 disables it. Hits and misses
+    are counted once, in the service's Prometheus metrics."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[str, EmbeddingBlob] = OrderedDict()
         self._bytes = 0
-        self.hits = 0
-        self.misses = 0
 
     @property
     def size_bytes(self) -> int:
@@ -33,10 +33,10 @@ class BlobCache:
     def get(self, key: str) -> EmbeddingBlob | None:
         blob = self._entries.get(key)
         if blob is None:
-            self.misses += 1
+            metrics.BLOB_CACHE_MISSES.inc()
             return None
         self._entries.move_to_end(key)
-        self.hits += 1
+        metrics.BLOB_CACHE_HITS.inc()
         return blob
 
     def put(self, key: str, blob: EmbeddingBlob) -> None:

@@ -4,7 +4,9 @@ cheapest. The benchmark (bench/s3_transport.py) times exactly this path."""
 from __future__ import annotations
 
 import asyncio
+import time
 
+from llm_service import metrics
 from shared.blob import BlobRules, EmbeddingBlob, decode_blob
 from shared.errors import EmbeddingNotFound, InvalidEmbedding
 from shared.store import EmbeddingStore
@@ -37,8 +39,11 @@ async def decode_items_async(blobs: list[bytes | None], rules: BlobRules, where:
 async def fetch_items(store: EmbeddingStore, keys: list[str], rules: BlobRules) -> list[EmbeddingBlob]:
     """The blobs stored under `keys`, in one round trip, validated. EmbeddingNotFound names every
     missing key, so a caller that still has the images can re-encode exactly those."""
+    started = time.perf_counter()
     stored = await store.get_many(keys)
+    metrics.BLOB_FETCH_SECONDS.observe(time.perf_counter() - started)
     missing = [key for key, data in zip(keys, stored, strict=True) if data is None]
     if missing:
+        metrics.BLOB_NOT_FOUND.inc(len(missing))
         raise EmbeddingNotFound(f"no embedding stored under {', '.join(missing)}", keys=missing, param="image.key")
     return await decode_items_async(stored, rules, "stored embedding")

@@ -1,0 +1,16 @@
+"""Prometheus metrics of the LLM service's blob path (served on LLM_METRICS_PORT): how often the pod
+cache saves a Redis round trip, and what a round trip costs when it does not."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+BLOB_CACHE_HITS = Counter("llm_blob_cache_hits_total", "Stored embeddings answered from the pod's blob cache.")
+BLOB_CACHE_MISSES = Counter("llm_blob_cache_misses_total", "Stored embeddings the pod's blob cache did not hold.")
+BLOB_FETCH_SECONDS = Histogram(
+    "llm_blob_fetch_seconds", "Time of one Redis round trip fetching a request's blobs (completed ones).",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+)  # fmt: skip
+BLOB_NOT_FOUND = Counter(
+    "llm_blob_not_found_total", "Keys asked of Redis that it did not hold (expired or never stored)."
+)
