@@ -25,13 +25,13 @@ each image's result is bit-identical to encoding it alone with the unmodified to
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
-from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel, Qwen2VLVisionBlock
 
 # Patch rows of each image in the running forward pass; None outside one. A ContextVar rather
 # than an attribute: two threads may run forward passes of one tower at the same time.
@@ -58,7 +58,7 @@ def _shape_sensitive_modules(tower: Qwen2VisionTransformerPretrainedModel) -> It
     """Submodules whose input is [patches, ...] rows and whose output rows depend on the row count."""
     yield tower.patch_embed  # Conv3d, a GEMM over flattened patches
     yield tower.rotary_pos_emb  # cos/sin over [patches, 2] positions
-    for block in tower.blocks:
+    for block in cast(Iterable[Qwen2VLVisionBlock], tower.blocks):  # a ModuleList of them
         yield block.attn.qkv
         yield block.attn.proj
         yield block.mlp  # fc1, activation, fc2
@@ -95,7 +95,7 @@ def _per_image(forward: Callable[..., Any]) -> Callable[..., Any]:
 def _split_rows(arg: Any, rows: tuple[int, ...]) -> Sequence[Any]:
     """A tensor with one row per patch, cut per image; any other argument, whole for every image."""
     if isinstance(arg, torch.Tensor) and arg.shape[0] == sum(rows):
-        return torch.split(arg, rows)
+        return torch.split(arg, list(rows))
     return [arg] * len(rows)
 
 

@@ -233,9 +233,14 @@ class LanedBatcher(Generic[In, Out]):
         self._cost = cost
         self._large_cost = large_cost
         self._on_batch = on_batch
-        lane = {"cost": cost, "max_batch_cost": max_batch_cost, "on_batch": self._observe}
-        self.normal = MicroBatcher(run_batch, max_batch_size, max_wait_s, max_hold_s=max_hold_s, **lane)
-        self.large = MicroBatcher(run_batch, max_batch_size, max_wait_s, **lane)
+        # The lanes differ only in the hold: announcements are made in the normal lane.
+        self.normal: MicroBatcher[In, Out] = MicroBatcher(
+            run_batch, max_batch_size, max_wait_s, on_batch=self._observe, max_hold_s=max_hold_s,
+            cost=cost, max_batch_cost=max_batch_cost,
+        )  # fmt: skip
+        self.large: MicroBatcher[In, Out] = MicroBatcher(
+            run_batch, max_batch_size, max_wait_s, on_batch=self._observe, cost=cost, max_batch_cost=max_batch_cost
+        )
 
     @property
     def batches_run(self) -> int:

@@ -31,8 +31,9 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class ImageSource:
-    """Exactly one of `data` (file bytes) or `url` (data: or http(s) URL)."""
+class MediaSource:
+    """An image, or one frame of a video: exactly one of `data` (file bytes) or `url` (data: or
+    http(s) URL)."""
 
     data: bytes | None = None
     url: str | None = None
@@ -71,7 +72,7 @@ class EncoderCore:
     def rules(self) -> BlobRules:
         return BlobRules(self.vision.merge_size, self.vision.hidden_size, frozenset({self.encoder_id}))
 
-    async def encode(self, source: ImageSource, min_pixels: int = 0, max_pixels: int = 0) -> EncodeResult:
+    async def encode(self, source: MediaSource, min_pixels: int = 0, max_pixels: int = 0) -> EncodeResult:
         """Key of the image's stored embeddings, encoding only when Redis lacks it."""
         image_bytes = await self._image_bytes(source)
         min_px, max_px = self.limits.image_pixels.bounds(min_pixels, max_pixels)
@@ -83,7 +84,7 @@ class EncoderCore:
 
         return await self._single_flight(key, "image", preprocess)
 
-    async def encode_video(self, frames: list[ImageSource], min_pixels: int = 0, max_pixels: int = 0) -> EncodeResult:
+    async def encode_video(self, frames: list[MediaSource], min_pixels: int = 0, max_pixels: int = 0) -> EncodeResult:
         """Key of a video's stored embeddings (frames in order), encoding only when Redis lacks it."""
         if not frames:
             raise InvalidInput("a video needs at least one frame", param="frames")
@@ -140,21 +141,24 @@ class EncoderCore:
         await asyncio.to_thread(decode_blob, data, self.rules, "key")
         return data
 
-    async def _image_bytes(self, source: ImageSource, frame: str | None = None) -> bytes:
+    async def _image_bytes(self, source: MediaSource, frame: str | None = None) -> bytes:
         """The image file's bytes; errors name `frame` (frames[i]) when the image is a video frame."""
-        if (source.data is None) == (source.url is None):
-            raise InvalidInput("exactly one of image_bytes or image_url must be set", param=frame or "source")
-        if source.data is not None:
+        if source.data is not None and source.url is None:
             data = source.data
-        elif source.url.startswith("data:"):
-            data = decode_data_url(source.url, self.limits.max_image_bytes, frame or "image_url")
+        elif source.url is not None and source.data is None:
+            data = await self._url_bytes(source.url, frame or "image_url")
         else:
-            data = await fetch_image(source.url, self.limits.fetch, frame or "image_url")
+            raise InvalidInput("exactly one of image_bytes or image_url must be set", param=frame or "source")
         if len(data) > self.limits.max_image_bytes:
             raise TooLarge(
                 f"image is {len(data)} bytes, over the limit of {self.limits.max_image_bytes}", param=frame or "image"
             )
         return data
+
+    async def _url_bytes(self, url: str, param: str) -> bytes:
+        if url.startswith("data:"):
+            return decode_data_url(url, self.limits.max_image_bytes, param)
+        return await fetch_image(url, self.limits.fetch, param)
 
     async def _encode_or_reuse(
         self, key: str, modality: Modality, preprocess: Callable[[], Preprocessed]

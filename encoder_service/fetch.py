@@ -19,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import httpcore
 import httpx
@@ -167,14 +167,19 @@ class _PinnedBackend(httpcore.AsyncNetworkBackend):
         self._inner = httpcore.AnyIOBackend()
 
     async def connect_tcp(
-        self, host: str, port: int, timeout: float | None = None, local_address: str | None = None, **kwargs: Any
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
     ) -> httpcore.AsyncNetworkStream:
         if host.lower() != self._host:
             raise ValueError(f"pinned to {self._host!r}, asked to connect to {host!r}")
         error: Exception = httpcore.ConnectError(f"{self._host} has no address")
         for address in self._addresses:
             try:
-                return await self._inner.connect_tcp(address, port, timeout, local_address, **kwargs)
+                return await self._inner.connect_tcp(address, port, timeout, local_address, socket_options)
             except httpcore.ConnectError as refused:
                 error = refused  # the next checked address may answer
         raise error

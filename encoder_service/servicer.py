@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from encoder_service.core import EncoderCore, EncodeResult, ImageSource
+from encoder_service.core import EncoderCore, EncodeResult, MediaSource
 from shared.pb.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 
 
@@ -42,9 +42,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         )
 
 
-def _source(message: encoder_pb2.EncodeRequest | encoder_pb2.Frame) -> ImageSource:
+def _source(message: encoder_pb2.EncodeRequest | encoder_pb2.Frame) -> MediaSource:
     which = message.WhichOneof("source")
-    return ImageSource(
+    return MediaSource(
         data=message.image_bytes if which == "image_bytes" else None,
         url=message.image_url if which == "image_url" else None,
     )

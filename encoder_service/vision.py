@@ -90,11 +90,11 @@ class VisionEncoder:
 
     @property
     def default_min_pixels(self) -> int:
-        return int(self.processor.size.shortest_edge)
+        return int(self.processor.size["shortest_edge"])
 
     @property
     def default_max_pixels(self) -> int:
-        return int(self.processor.size.longest_edge)
+        return int(self.processor.size["longest_edge"])
 
     @property
     def resize_factor(self) -> int:

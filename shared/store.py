@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter
@@ -63,14 +63,14 @@ class EmbeddingStore:
         if not keys:
             return []
         if len(keys) == 1:  # the common case (one image): GET saves MGET's list handling (~0.01 ms)
-            return [await self._call(self._redis.get(keys[0]))]
-        if self.target.topology == "cluster":  # one MGET per hash slot, as a cluster requires
-            return await self._call(self._redis.mget_nonatomic(keys))
-        return await self._call(self._redis.mget(keys))
+            return [await self._call(_bytes_or_none(self._redis.get(keys[0])))]
+        if isinstance(self._redis, RedisCluster):  # one MGET per hash slot, as a cluster requires
+            return await self._call(_list_of_bytes(self._redis.mget_nonatomic(keys)))
+        return await self._call(_list_of_bytes(self._redis.mget(keys)))
 
     async def get_and_touch(self, key: str) -> bytes | None:
         """The blob under `key`, refreshing its TTL (GETEX), or None."""
-        return await self._call(self._redis.getex(key, ex=self.config.ttl_s))
+        return await self._call(_bytes_or_none(self._redis.getex(key, ex=self.config.ttl_s)))
 
     async def put(self, key: str, data: bytes) -> None:
         """Stores a blob with the configured TTL."""
@@ -94,17 +94,47 @@ class EmbeddingStore:
         await self._redis.aclose()
 
 
+def _bytes_or_none(reply: Awaitable[Any]) -> Awaitable[bytes | None]:
+    """A GET-like reply as it arrives: bytes, since no client here decodes responses (redis-py
+    types replies as bytes | str whatever the client's decode_responses)."""
+    return cast("Awaitable[bytes | None]", reply)
+
+
+def _list_of_bytes(reply: Awaitable[Any]) -> Awaitable[list[bytes | None]]:
+    """An MGET reply; see _bytes_or_none."""
+    return cast("Awaitable[list[bytes | None]]", reply)
+
+
 def _connect(target: RedisTarget, config: StoreConfig) -> aioredis.Redis | RedisCluster:
-    common = {
-        "socket_timeout": config.socket_timeout_s,
-        "socket_connect_timeout": config.socket_timeout_s,
-        "retry": Retry(ExponentialBackoff(cap=0.1, base=0.02), config.retries),
-    }
+    timeout = config.socket_timeout_s
+    retry = Retry(ExponentialBackoff(cap=0.1, base=0.02), config.retries)
     if target.topology == "single":
-        return aioredis.Redis.from_url(target.url, retry_on_error=[RedisConnectionError, RedisTimeoutError], **common)
-    credentials = {"username": target.username, "password": target.password}
+        return aioredis.Redis.from_url(
+            target.url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=retry,
+            retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        )
     if target.topology == "cluster":
-        nodes = [ClusterNode(host, port) for host, port in target.nodes]
-        return RedisCluster(startup_nodes=nodes, ssl=target.tls, **credentials, **common)
-    sentinel = Sentinel(list(target.nodes), socket_timeout=config.socket_timeout_s)
-    return sentinel.master_for(target.service_name, db=target.db, **credentials, **common)
+        return RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],
+            ssl=target.tls,
+            username=target.username,
+            password=target.password,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=retry,
+        )
+    if target.service_name is None:  # parse_redis_url names one for every sentinel URL
+        raise ValueError(f"sentinel URL without a service name: {target.url!r}")
+    sentinel = Sentinel(list(target.nodes), socket_timeout=timeout)
+    return sentinel.master_for(
+        target.service_name,
+        db=target.db,
+        username=target.username,
+        password=target.password,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry=retry,
+    )
