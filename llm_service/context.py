@@ -17,7 +17,8 @@ from shared.errors import ContextLengthExceeded
 
 def fit_to_context(prompt_tokens: int, sampling: SamplingParams, max_model_len: int) -> SamplingParams:
     """`sampling` with max_tokens capped to the room the prompt leaves; ContextLengthExceeded
-    when it leaves none."""
+    when it leaves none. prompt_tokens counts each image or video pad as the item's rows
+    (EngineRequest.prompt_tokens): the length the model reads, as vLLM counts it."""
     room = max_model_len - prompt_tokens
     if room < 1:
         raise ContextLengthExceeded(

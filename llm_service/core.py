@@ -1,7 +1,8 @@
-"""One Generate call: resolve images (fetch + validate), render the prompt, stream from the engine.
+"""One Generate call: resolve images and videos (fetch + validate), render the prompt, stream from
+the engine.
 
-Every blob is validated before the engine sees it: engines crash or silently
-misbehave on a bad shape (DESIGN.md, Engines).
+Every blob is validated before the engine sees it: engines crash or silently misbehave on a bad
+shape (DESIGN.md, Engines). Each item reaches the engine once, as a MediaItem in prompt order.
 """
 
 from __future__ import annotations
@@ -11,15 +12,13 @@ import hashlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import torch
-
 from llm_service.blob_cache import BlobCache
 from llm_service.blob_fetch import decode_items_async, fetch_items
 from llm_service.blob_tensors import embeds_tensor, grid_tensor
+from llm_service.chat_request import ChatRequest, MediaInput
 from llm_service.context import fit_to_context
-from llm_service.engines.base import Engine, EngineRequest, GenerationDelta
-from llm_service.prompt import ChatTurn, MediaSlot, PromptBuilder
-from llm_service.requests import ChatRequest, MediaInput
+from llm_service.engines.base import Engine, EngineRequest, GenerationDelta, MediaItem
+from llm_service.prompt import PromptBuilder
 from shared.blob import BlobRules, EmbeddingBlob
 from shared.errors import IncompatibleEncoder, InvalidEmbedding, InvalidInput, ModelNotFound, clip
 from shared.keys import encoder_id_of_key
@@ -33,7 +32,7 @@ class LLMCore:
     prompt_builder: PromptBuilder
     store: EmbeddingStore
     rules: BlobRules
-    max_images: int
+    max_media: int  # images and videos together, per request
     cache: BlobCache
     # Blob fetches under way, by key; None when one failed (its waiters then fetch on their own).
     _fetching: dict[str, asyncio.Future[EmbeddingBlob | None]] = field(default_factory=dict, init=False)
@@ -47,35 +46,26 @@ class LLMCore:
             )
         media = request.media
         blobs = await self._resolve_media(media)
-        turns = [
-            ChatTurn(m.role, [p if isinstance(p, str) else MediaSlot(p.modality) for p in m.parts])
-            for m in request.messages
-        ]
         try:
-            prompt_ids = self.prompt_builder.build(turns, [blob.num_tokens for blob in blobs])
+            prompt_ids = self.prompt_builder.build(request.messages)
         except ValueError as error:
             raise InvalidInput(str(error), param="messages") from None
-        images = [(item, blob) for item, blob in zip(media, blobs, strict=True) if item.modality == "image"]
-        videos = [(item, blob) for item, blob in zip(media, blobs, strict=True) if item.modality == "video"]
-        engine_request = EngineRequest(
-            request_id=request.request_id,
-            prompt_token_ids=prompt_ids,
-            image_embeds=[embeds_tensor(blob) for _, blob in images],
-            image_grid_thw=_grid([blob for _, blob in images]),
-            sampling=fit_to_context(len(prompt_ids), request.sampling, self.engine.max_model_len),
-            image_uuids=[_media_uuid(item) for item, _ in images],
-            video_embeds=[embeds_tensor(blob) for _, blob in videos],
-            video_grid_thw=_grid([blob for _, blob in videos]),
-            video_uuids=[_media_uuid(item) for item, _ in videos],
+        items = [
+            MediaItem(part.modality, embeds_tensor(blob), grid_tensor(blob), _media_uuid(part))
+            for part, blob in zip(media, blobs, strict=True)
+        ]
+        engine_request = EngineRequest(request.request_id, prompt_ids, items)
+        engine_request.sampling = fit_to_context(
+            engine_request.prompt_tokens, request.sampling, self.engine.max_model_len
         )
         async for delta in self.engine.generate(engine_request):
             yield delta
 
     async def _resolve_media(self, media: list[MediaInput]) -> list[EmbeddingBlob]:
         """Each item's validated blob, in order: cached, fetched in one round trip, or inline."""
-        if len(media) > self.max_images:
+        if len(media) > self.max_media:
             raise InvalidInput(
-                f"{len(media)} images and videos in one request; the limit is {self.max_images}", param="messages"
+                f"{len(media)} images and videos in one request; the limit is {self.max_media}", param="messages"
             )
         keys = list(dict.fromkeys(item.key for item in media if item.key is not None))
         for key in keys:
@@ -140,11 +130,6 @@ def _check_modality(item: MediaInput, blob: EmbeddingBlob, index: int) -> None:
         )
     if item.modality == "image" and int(blob.grid_thw[0, 0]) != 1:
         raise InvalidEmbedding(f"{where} has grid t = {int(blob.grid_thw[0, 0])}; an image has t = 1", param="image")
-
-
-def _grid(blobs: list[EmbeddingBlob]) -> torch.Tensor:
-    """[n, 3] int64 grids of the items, in order (n may be 0)."""
-    return torch.cat([grid_tensor(b) for b in blobs]) if blobs else torch.zeros((0, 3), dtype=torch.int64)
 
 
 def _media_uuid(item: MediaInput) -> str:

@@ -23,6 +23,7 @@ class TokenNamer:
         bytes behind U+FFFD, so the bytes come from the BPE spelling instead."""
         if token_id not in self._names:
             spelled = self._tokenizer.convert_ids_to_tokens(token_id)
+            assert isinstance(spelled, str)  # one id in, one token out (a list in gives a list)
             if all(char in _BYTE_OF_CHAR for char in spelled):
                 raw = bytes(_BYTE_OF_CHAR[char] for char in spelled)
             else:  # an added token (e.g. <|im_end|>) is stored as its plain text

@@ -9,10 +9,10 @@ import grpc
 from transformers import AutoConfig
 
 from llm_service.blob_cache import BlobCache
+from llm_service.chat_request import SamplingLimits
 from llm_service.core import LLMCore
 from llm_service.engines.factory import load_engine, resolve_engine_name
 from llm_service.prompt import PromptBuilder
-from llm_service.requests import SamplingLimits
 from llm_service.servicer import LLMServicer
 from llm_service.settings import LLMSettings
 from shared import readiness
@@ -78,7 +78,7 @@ def build_core(settings: LLMSettings) -> LLMCore:
         PromptBuilder(engine.tokenizer),
         store,
         rules,
-        settings.max_images_per_request,
+        settings.max_media_per_request,
         cache,
     )
 

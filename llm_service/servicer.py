@@ -6,9 +6,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from llm_service.chat_request import ChatRequest, SamplingLimits
 from llm_service.core import LLMCore
 from llm_service.logprobs_pb import TokenNamer
-from llm_service.requests import ChatRequest, SamplingLimits
 from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc
 
 _FINISH_REASONS = {"stop": llm_pb2.FINISH_REASON_STOP, "length": llm_pb2.FINISH_REASON_LENGTH}

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 from pydantic_settings import SettingsConfigDict
 
+from shared.sampling_limits import MAX_TOKENS_BOUND
 from shared.settings import GrpcServerSettings, StoreSettings
 
 
 class LLMSettings(StoreSettings, GrpcServerSettings):
-    model_config = SettingsConfigDict(env_prefix="LLM_", extra="ignore")
+    # validate_by_name: a field with an alias (max_media_per_request) is still set by its name.
+    model_config = SettingsConfigDict(env_prefix="LLM_", extra="ignore", validate_by_name=True)
 
     checkpoint: str = Field(..., description="Qwen2-VL checkpoint dir (or hub id) of this fine-tune.")
     model_name: str = Field(..., description="Name clients use in `model`.")
@@ -36,8 +38,17 @@ class LLMSettings(StoreSettings, GrpcServerSettings):
         description="Encoder ids whose blobs this model accepts (JSON list); empty = the id of this checkpoint's own vision tower.",
     )
     default_max_tokens: int = Field(256, gt=0, description="max_tokens when a request sets none.")
-    max_tokens_limit: int = Field(4096, gt=0, description="Highest max_tokens a request may ask for.")
-    max_images_per_request: int = Field(16, gt=0, description="Most images and videos in one request.")
+    max_tokens_limit: int = Field(
+        4096, gt=0, le=MAX_TOKENS_BOUND, description="Highest max_tokens a request may ask for."
+    )
+    max_media_per_request: int = Field(
+        16,
+        gt=0,
+        # An alias is read without the env prefix, so both names are spelled out; the second is
+        # the name this setting had when it seemed to count images only.
+        validation_alias=AliasChoices("LLM_MAX_MEDIA_PER_REQUEST", "LLM_MAX_IMAGES_PER_REQUEST"),
+        description="Most images and videos together in one request (LLM_MAX_IMAGES_PER_REQUEST also sets it).",
+    )
     blob_cache_bytes: int = Field(
         512 * 1024 * 1024, ge=0, description="Budget of the in-memory LRU of decoded blobs (0 disables it)."
     )

@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
-import torch
 
-from llm_service.prompt import ChatTurn
+from llm_service.chat_request import PromptMessage
 from shared.blob import EmbeddingBlob, encode_blob
 from shared.keys import embedding_key
 from tests.harness import VLLM_LIMITS, Stack
@@ -20,8 +20,8 @@ MODELS = ("ft-a", "ft-b")
 
 
 def _prompt_tokens(stack: Stack, model: str, text: str) -> int:
-    """What the service renders for one user turn of `text`: the count its error must name."""
-    return len(stack.llms[model].core.prompt_builder.build([ChatTurn("user", [text])], []))
+    """What the service renders for one user message of `text`: the count its error must name."""
+    return len(stack.llms[model].core.prompt_builder.build([PromptMessage("user", [text])]))
 
 
 def _text_of(stack: Stack, model: str, tokens: int) -> str:
@@ -90,7 +90,8 @@ def test_one_image_with_more_tokens_than_the_context_is_a_400(stack: Stack, mode
     encoder's max_pixels keeps its own images far smaller, so the blob is put in Redis directly."""
     rules = stack.llms[model].core.rules
     encoder_id = next(iter(rules.accepted_encoder_ids))
-    blob = EmbeddingBlob(torch.randn(96 * 96 // 4, rules.hidden_size), torch.tensor([[1, 96, 96]]), encoder_id)
+    rows = np.random.default_rng(0).standard_normal((96 * 96 // 4, rules.hidden_size), dtype=np.float32)
+    blob = EmbeddingBlob(rows, np.array([[1, 96, 96]]), encoder_id)
     key = embedding_key(encoder_id, b"an image larger than the context", 1, 2)
     stack.redis.client().set(key, encode_blob(blob, rules), ex=60)
     image = {"type": "image_embeds", "image_embeds": None, "uuid": key}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,10 @@ from safetensors.torch import save_file
 from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
 
 from encoder_service.vision import VisionEncoder
-from llm_service.engines.base import EngineRequest, GenerationDelta, SamplingParams
-from llm_service.engines.transformers_engine import TransformersEngine
-from llm_service.prompt import ChatTurn, MediaSlot, PromptBuilder
+from llm_service.chat_request import MediaInput, PromptMessage
+from llm_service.engines.base import EngineRequest, GenerationDelta, MediaItem, SamplingParams
+from llm_service.engines.transformers_engine import TransformersEngine, expand_pads
+from llm_service.prompt import PromptBuilder
 from shared.encoder_id import compute_encoder_id
 from tests.model_fixtures import build_test_checkpoints, make_image
 from tests.reference import reference_greedy_tokens
@@ -65,10 +67,11 @@ def _request(
 ) -> EngineRequest:
     items = [encoder.preprocess(image) for image in images]
     embeds = encoder.encode_batch(items)
-    turn = ChatTurn("user", [MediaSlot() for _ in images] + [question])
-    ids = PromptBuilder(engine.tokenizer).build([turn], [e.shape[0] for e in embeds])
-    grid = torch.cat([g for _, g in items]) if items else torch.zeros((0, 3), dtype=torch.int64)
-    return EngineRequest("test", ids, embeds, grid, SamplingParams(**sampling))
+    ids = PromptBuilder(engine.tokenizer).build(
+        [PromptMessage("user", [MediaInput("image") for _ in images] + [question])]
+    )
+    media = [MediaItem("image", rows, grid) for rows, (_, grid) in zip(embeds, items, strict=True)]
+    return EngineRequest("test", ids, media, SamplingParams(**sampling))
 
 
 def _tokens(deltas: list[GenerationDelta]) -> list[int]:
@@ -121,28 +124,30 @@ def test_preprocess_respects_pixel_bounds(encoder: VisionEncoder) -> None:
 # --- prompt -------------------------------------------------------------------------------
 
 
-def test_prompt_expands_each_image_in_order(ckpts: dict[str, Path]) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(ckpts["base"])
-    builder = PromptBuilder(tokenizer)
-    turns = [ChatTurn("user", [MediaSlot(), "left or right?", MediaSlot()])]
-    ids = builder.build(turns, [3, 5])
+def test_prompt_has_one_pad_per_image_and_the_engine_expands_each_to_its_rows(engines) -> None:
+    engine = engines["ft-a"]
+    builder = PromptBuilder(engine.tokenizer)
+    ids = builder.build([PromptMessage("user", [MediaInput("image"), "left or right?", MediaInput("image")])])
     pad = builder.image_token_id
-    runs = [len(list(group)) for token, group in itertools.groupby(ids) if token == pad]
-    assert runs == [3, 5]
-    text = tokenizer.decode(ids)
+    assert ids.count(pad) == 2
+    text = engine.tokenizer.decode(ids)
     assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n")
     assert text.endswith("<|vision_end|><|im_end|>\n<|im_start|>assistant\n")
-    assert "<|vision_start|>" + "<|image_pad|>" * 3 + "<|vision_end|>left or right?" in text
+    assert "<|vision_start|><|image_pad|><|vision_end|>left or right?" in text
+    hidden, grid = engine.hidden_size, torch.tensor([[1, 2, 2]])
+    media = [MediaItem("image", torch.zeros(rows, hidden), grid) for rows in (3, 5)]
+    request = EngineRequest("x", ids, media)
+    expanded = expand_pads(request, engine.shape)
+    runs = [len(list(group)) for token, group in itertools.groupby(expanded) if token == pad]
+    assert runs == [3, 5] and request.prompt_tokens == len(expanded) == len(ids) + 6
+    assert [t for t in expanded if t != pad] == [t for t in ids if t != pad]
 
 
-def test_prompt_rejects_mismatched_counts(ckpts: dict[str, Path]) -> None:
+def test_prompt_refuses_pad_tokens_in_text(ckpts: dict[str, Path]) -> None:
     builder = PromptBuilder(AutoTokenizer.from_pretrained(ckpts["base"]))
-    with pytest.raises(ValueError, match="2 image/video part"):
-        builder.build([ChatTurn("user", [MediaSlot(), MediaSlot(), "hi"])], [4])
-    with pytest.raises(ValueError, match="0 image/video part"):
-        builder.build([ChatTurn("user", ["hi"])], [4])
-    with pytest.raises(ValueError, match="image_pad"):
-        builder.build([ChatTurn("user", ["sneaky <|image_pad|>"])], [])
+    for sneaky in ("sneaky <|image_pad|>", "<|video_pad|>"):
+        with pytest.raises(ValueError, match="image_pad"):
+            builder.build([PromptMessage("user", [sneaky])])
 
 
 # --- transformers engine ------------------------------------------------------------------
@@ -168,7 +173,7 @@ def test_engine_multi_image_and_text_only_match_full_model(engines, encoder: Vis
     full_model = Qwen2VLForConditionalGeneration.from_pretrained(ckpts["ft-b"]).eval()
     for pictures in (images, []):
         request = _request(engine, encoder, pictures, "Compare the two images.", max_tokens=MAX_NEW)
-        ids = torch.tensor([request.prompt_token_ids])
+        ids = torch.tensor([expand_pads(request, engine.shape)])  # as the processor renders it
         extra = {}
         if pictures:
             items = [encoder.preprocess(image) for image in pictures]
@@ -189,7 +194,9 @@ def test_engine_deltas_text_and_usage(engines, encoder: VisionEncoder, images) -
     request = _request(engine, encoder, images[:1], QUESTIONS[0], max_tokens=MAX_NEW)
     deltas = _collect(engine, request)
     assert [d.finish_reason for d in deltas] == [None] * (MAX_NEW - 1) + ["length"]
-    assert deltas[-1].completion_tokens == MAX_NEW and deltas[-1].prompt_tokens == len(request.prompt_token_ids)
+    # Usage counts the prompt as the model reads it: each image's pad as its rows.
+    assert deltas[-1].completion_tokens == MAX_NEW
+    assert deltas[-1].prompt_tokens == len(expand_pads(request, engine.shape)) > len(request.prompt_token_ids)
     tokens = _tokens(deltas)
     expected = engine.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     assert _text(deltas) == expected
@@ -262,11 +269,14 @@ def test_engine_closing_stream_stops_generation(engines, encoder: VisionEncoder,
 def test_engine_rejects_inconsistent_request(engines, encoder: VisionEncoder, images) -> None:
     engine = engines["ft-a"]
     good = _request(engine, encoder, images[:1], QUESTIONS[0])
-    short_rows = [good.image_embeds[0][:-1]]
-    bad_rows = EngineRequest("x", good.prompt_token_ids, short_rows, good.image_grid_thw, good.sampling)
-    with pytest.raises(ValueError, match="embeddings"):
-        _collect(engine, bad_rows)
-    empty_grid = torch.zeros((0, 3), dtype=torch.int64)
-    no_grid = EngineRequest("x", good.prompt_token_ids, good.image_embeds, empty_grid, good.sampling)
-    with pytest.raises(ValueError, match="image_grid_thw"):
-        _collect(engine, no_grid)
+    (item,) = good.media
+    for match, media in (
+        ("embeddings", [replace(item, embeds=item.embeds[:-1])]),  # rows the grid does not imply
+        ("embeddings", [replace(item, embeds=item.embeds[:, :-1])]),  # not the model's hidden size
+        ("grid_thw", [replace(item, grid_thw=torch.zeros((0, 3), dtype=torch.int64))]),
+        ("pad tokens", [replace(item, modality="video")]),  # the prompt holds an image pad
+        ("pad tokens", [item, item]),
+        ("pad tokens", []),
+    ):
+        with pytest.raises(ValueError, match=match):
+            _collect(engine, replace(good, media=media))

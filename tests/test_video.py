@@ -14,12 +14,15 @@ import pytest
 import torch
 from openai import OpenAI
 from PIL import Image
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from encoder_service.video import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, preprocess_video
-from llm_service.prompt import ChatTurn, MediaSlot, PromptBuilder
-from shared.blob import BlobRules, decode_blob
+from llm_service.chat_request import MediaInput, PromptMessage
+from llm_service.engines.base import EngineRequest, EngineShape, MediaItem
+from llm_service.engines.transformers_engine import expand_pads
+from llm_service.prompt import PromptBuilder
+from shared.blob import BlobRules, Modality, decode_blob
 from shared.errors import ServiceError
 from shared.keys import embedding_key, video_key
 from shared.sdk import EncoderClient, ImageKey, LLMClient, Message, Sampling, VideoKey
@@ -98,12 +101,21 @@ def test_video_keys_depend_on_every_frame_and_their_order() -> None:
     assert len(keys) == 6
 
 
-def test_prompt_expands_images_and_videos_in_order(checkpoints: dict[str, Path]) -> None:
+def test_prompt_pads_images_and_videos_in_order_and_expands_each_to_its_rows(checkpoints: dict[str, Path]) -> None:
     builder = PromptBuilder(AutoTokenizer.from_pretrained(checkpoints["base"]))
-    turn = ChatTurn("user", [MediaSlot("video"), "then", MediaSlot("image"), MediaSlot("video")])
-    ids = builder.build([turn], [6, 2, 4])
+    order: list[Modality] = ["video", "image", "video"]
+    ids = builder.build(
+        [PromptMessage("user", [MediaInput(order[0]), "then", MediaInput(order[1]), MediaInput(order[2])])]
+    )
     pads = {builder.image_token_id: "image", builder.video_token_id: "video"}
-    runs = [(pads[token], len(list(group))) for token, group in itertools.groupby(ids) if token in pads]
+    assert [pads[token] for token in ids if token in pads] == order  # one pad per item
+    shape = EngineShape.of(AutoConfig.from_pretrained(checkpoints["base"]))
+    media = [
+        MediaItem(m, torch.zeros(rows, shape.hidden_size), torch.tensor([[1, 1, 1]]))
+        for m, rows in zip(order, (6, 2, 4), strict=True)
+    ]
+    expanded = expand_pads(EngineRequest("x", ids, media), shape)
+    runs = [(pads[token], len(list(group))) for token, group in itertools.groupby(expanded) if token in pads]
     assert runs == [("video", 6), ("image", 2), ("video", 4)]
 
 
@@ -185,7 +197,7 @@ def test_video_embeds_inline_and_by_key_answer_like_frames(stack: Stack, strict_
     assert encoded["grid_thw"][0] == 2
     blob = decode_blob(base64.b64decode(encoded["embeddings"]), BlobRules(2, 256, frozenset({encoded["encoder_id"]})))
     buffer = io.BytesIO()
-    np.save(buffer, blob.embeds.numpy())
+    np.save(buffer, np.asarray(blob.embeds))
     parts = [
         _video_part(frames),
         {"type": "video_embeds", "video_embeds": None, "uuid": encoded["key"]},

@@ -17,10 +17,11 @@ pytest.importorskip("vllm")
 
 from encoder_service.video import preprocess_video  # noqa: E402
 from encoder_service.vision import VisionEncoder  # noqa: E402
-from llm_service.engines.base import EngineRequest, GenerationDelta, SamplingParams  # noqa: E402
-from llm_service.engines.transformers_engine import TransformersEngine  # noqa: E402
+from llm_service.chat_request import MediaInput, PromptMessage  # noqa: E402
+from llm_service.engines.base import EngineRequest, GenerationDelta, MediaItem, SamplingParams  # noqa: E402
+from llm_service.engines.transformers_engine import TransformersEngine, expand_pads  # noqa: E402
 from llm_service.engines.vllm_engine import VLLMEngine, _concat_rows  # noqa: E402
-from llm_service.prompt import ChatTurn, MediaSlot, PromptBuilder  # noqa: E402
+from llm_service.prompt import PromptBuilder  # noqa: E402
 from shared.errors import InvalidInput  # noqa: E402
 from tests.model_fixtures import make_image  # noqa: E402
 from tests.reference import reference_greedy_tokens  # noqa: E402
@@ -60,11 +61,12 @@ def _request(
 ) -> EngineRequest:
     items = [encoder.preprocess(image) for image in images]
     embeds = encoder.encode_batch(items)
-    turn = ChatTurn("user", [MediaSlot() for _ in images] + [question])
-    ids = builder.build([turn], [e.shape[0] for e in embeds])
-    grid = torch.cat([g for _, g in items]) if items else torch.zeros((0, 3), dtype=torch.int64)
-    uuids = [f"emb:v1:test:{id(image)}" for image in images]
-    return EngineRequest("test", ids, embeds, grid, SamplingParams(**sampling), image_uuids=uuids)
+    ids = builder.build([PromptMessage("user", [MediaInput("image") for _ in images] + [question])])
+    media = [
+        MediaItem("image", rows, grid, f"emb:v1:test:{id(image)}")
+        for image, rows, (_, grid) in zip(images, embeds, items, strict=True)
+    ]
+    return EngineRequest("test", ids, media, SamplingParams(**sampling))
 
 
 async def _collect(engine: VLLMEngine | TransformersEngine, request: EngineRequest) -> list[GenerationDelta]:
@@ -125,14 +127,14 @@ async def test_videos_mixed_with_images_match_transformers(engines: Engines, enc
     image_embeds = encoder.encode_batch(image_items)
     results = []
     for order in (("image", "video", "image"), ("video", "image", "image")):
-        turn = ChatTurn("user", [MediaSlot(m) for m in order] + ["What changes over time?"])
-        counts = iter([e.shape[0] for e in image_embeds])
-        ids = builder.build([turn], [video_embeds.shape[0] if m == "video" else next(counts) for m in order])
-        request = EngineRequest(
-            "test", ids, image_embeds, torch.cat([g for _, g in image_items]), SamplingParams(max_tokens=MAX_NEW),
-            image_uuids=["emb:v1:test:i0", "emb:v1:test:i1"], video_embeds=[video_embeds], video_grid_thw=video[1],
-            video_uuids=["emb:v1:test:v0"],
-        )  # fmt: skip
+        ids = builder.build([PromptMessage("user", [MediaInput(m) for m in order] + ["What changes over time?"])])
+        pictures = iter(
+            MediaItem("image", rows, grid, f"emb:v1:test:i{index}")
+            for index, (rows, (_, grid)) in enumerate(zip(image_embeds, image_items, strict=True))
+        )
+        film = MediaItem("video", video_embeds, video[1], "emb:v1:test:v0")
+        media = [film if m == "video" else next(pictures) for m in order]
+        request = EngineRequest("test", ids, media, SamplingParams(max_tokens=MAX_NEW))
         assert int(video[1][0, 0]) == 2
         got = await _collect(fast, request)
         assert _summary(got) == _summary(await _collect(slow, request)), order
@@ -146,7 +148,7 @@ async def test_max_tokens_and_stop_string(engines: Engines, encoder, images) -> 
     deltas = await _collect(fast, request)
     assert [d.finish_reason for d in deltas][-1] == "length" and deltas[-1].completion_tokens == MAX_NEW
     assert all(d.finish_reason is None for d in deltas[:-1])
-    assert deltas[-1].prompt_tokens == len(request.prompt_token_ids)
+    assert deltas[-1].prompt_tokens == len(expand_pads(request, fast.shape))  # the image counts its rows
     full = _text(deltas)
     words = [w for w in full.split() if w.isascii() and w.isalpha() and len(w) >= 3 and full.index(w) > 0]
     assert words, f"no usable stop word in {full!r}"
@@ -225,27 +227,32 @@ async def test_reused_request_id_and_image_uuid(engines: Engines, encoder, image
         outputs = [out async for out in fast.engine.generate(fast.vllm_prompt(request), params, request_id)]
         return outputs[-1].num_cached_tokens or 0, [t for out in outputs for t in out.outputs[0].token_ids]
 
-    pads = [i for i, token in enumerate(second.prompt_token_ids) if token == fast.shape.image_token_id]
+    # Positions in the prompt as the model reads it (vLLM expands the one pad into the rows).
+    expanded = expand_pads(second, fast.shape)
+    pads = [i for i, token in enumerate(expanded) if token == fast.shape.image_token_id]
     # Same uuid, new question: the cached prefix reaches past the image rows.
     cached, tokens = await cached_tokens(second, "same-uuid")
     assert cached > pads[-1]
     assert tokens == _tokens(await _collect(fast, second))
     # Same rows under another uuid: the cache may not serve the image (vLLM trusts the uuid).
-    cached, _ = await cached_tokens(replace(second, image_uuids=["emb:v1:test:other"]), "other-uuid")
+    other = replace(second, media=[replace(second.media[0], uuid="emb:v1:test:other")])
+    cached, _ = await cached_tokens(other, "other-uuid")
     assert cached <= pads[0]
 
 
 async def test_rejects_inconsistent_request(engines: Engines, encoder, images) -> None:
     fast, _ = engines["ft-a"]
     good = _request(encoder, PromptBuilder(fast.tokenizer), images[:1], QUESTIONS[0])
-    with pytest.raises(ValueError, match="embeddings"):
-        await _collect(fast, replace(good, image_embeds=[good.image_embeds[0][:-1]]))
-    with pytest.raises(ValueError, match="embeddings"):
-        await _collect(fast, replace(good, image_embeds=[good.image_embeds[0][None]]))
-    with pytest.raises(ValueError, match="image_grid_thw"):
-        await _collect(fast, replace(good, image_grid_thw=torch.zeros((0, 3), dtype=torch.int64)))
-    with pytest.raises(ValueError, match="uuids"):
-        await _collect(fast, replace(good, image_uuids=["a", "b"]))
+    (item,) = good.media
+    for match, media in (
+        ("embeddings", [replace(item, embeds=item.embeds[:-1])]),
+        ("embeddings", [replace(item, embeds=item.embeds[None])]),  # rank 3 crashed vLLM's engine process
+        ("grid_thw", [replace(item, grid_thw=torch.zeros((0, 3), dtype=torch.int64))]),
+        ("pad tokens", []),
+        ("pad tokens", [item, item]),
+    ):
+        with pytest.raises(ValueError, match=match):
+            await _collect(fast, replace(good, media=media))
     # A client fault vLLM detects is a domain error (the service checks length before the engine).
     with pytest.raises(InvalidInput, match="max_model_len|maximum|longer"):
         await _collect(fast, replace(good, prompt_token_ids=good.prompt_token_ids + [1] * 1024))

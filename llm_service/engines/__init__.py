@@ -1,5 +1,5 @@
 """Decoding engines behind one protocol (see base.py)."""
 
-from llm_service.engines.base import Engine, EngineRequest, GenerationDelta, SamplingParams
+from llm_service.engines.base import Engine, EngineRequest, GenerationDelta, MediaItem, SamplingParams
 
-__all__ = ["Engine", "EngineRequest", "GenerationDelta", "SamplingParams"]
+__all__ = ["Engine", "EngineRequest", "GenerationDelta", "MediaItem", "SamplingParams"]

@@ -10,10 +10,13 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
-from transformers import PreTrainedTokenizerBase, Qwen2VLConfig
+from transformers import PreTrainedConfig, PreTrainedTokenizerBase, Qwen2VLConfig
+
+from shared.blob import Modality, tokens_for_grid
+from shared.sampling_limits import MAX_STOP_STRINGS, SAMPLING_BOUNDS
 
 FinishReason = Literal["stop", "length"]
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit, and vLLM's default max_logprobs
+ModelDtype = Literal["float32", "bfloat16", "float16"]  # the language model's, as LLMSettings.dtype names it
 
 
 @dataclass
@@ -23,6 +26,8 @@ class SamplingParams:
     logprobs: None = no logprobs; k = each token's logprob plus its k most likely alternatives.
     presence_penalty / frequency_penalty: OpenAI's (and vLLM's) penalties over the completion's
     tokens only: logit[t] -= presence * (count[t] > 0) + frequency * count[t].
+    Bounds: shared/sampling_limits.py, the table the request conversion checks too; here they
+    guard an engine handed params directly.
     """
 
     max_tokens: int = 64
@@ -35,19 +40,20 @@ class SamplingParams:
     frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        knobs = {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_logprobs": self.logprobs,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+        }
+        for name, value in knobs.items():
+            bound = SAMPLING_BOUNDS[name]
+            if value is not None and not bound.holds(value):
+                raise ValueError(f"{name} must be in {bound.describe()}, got {value}")
+        if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
 
     @property
     def penalized(self) -> bool:
@@ -58,34 +64,48 @@ class SamplingParams:
         return self.temperature == 0
 
 
+@dataclass(frozen=True)
+class MediaItem:
+    """One image or video of the prompt, as an engine takes it.
+
+    embeds: [rows, hidden], any float dtype; shares the cached blob's memory, so engines copy it
+    before anything could write it.
+    grid_thw: [1, 3] int64, the item's (t, h, w) in patches; rows == tokens_for_grid(grid_thw,
+    merge_size). An image has t == 1 (the service refuses others: llm_service/core.py).
+    uuid: names the content for an engine's prefix cache (the blob key, or "inline:sha256:<hex>"
+    for an inline blob); None lets the engine hash the embeddings itself.
+    """
+
+    modality: Modality
+    embeds: torch.Tensor
+    grid_thw: torch.Tensor
+    uuid: str | None = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.embeds.shape[0])
+
+
 @dataclass
 class EngineRequest:
     """One generation.
 
-    prompt_token_ids: rendered prompt with each image's and video's pad token already expanded to
-    its rows.
-    image_embeds: one [rows, hidden] tensor per image, in prompt order.
-    image_grid_thw: [n_images, 3] int64 (n may be 0).
-    image_uuids: one stable id per image (its blob key), so an engine with a prefix cache can
-    reuse an image's KV blocks across requests; None lets the engine hash the embeddings itself.
-    video_*: the same for videos (grid t > 1 is allowed), filling the video pad tokens.
+    prompt_token_ids: the rendered prompt with ONE pad token (`<|image_pad|>` / `<|video_pad|>`)
+    per media item: vLLM expands each pad into the item's rows itself, the transformers engine
+    expands them before scattering the rows.
+    media: every image and video, in prompt order: item i fills the i-th pad.
     """
 
     request_id: str
     prompt_token_ids: list[int]
-    image_embeds: list[torch.Tensor]
-    image_grid_thw: torch.Tensor
+    media: list[MediaItem] = field(default_factory=list)
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    image_uuids: list[str] | None = None
-    video_embeds: list[torch.Tensor] = field(default_factory=list)
-    video_grid_thw: torch.Tensor = field(default_factory=lambda: torch.zeros((0, 3), dtype=torch.int64))
-    video_uuids: list[str] | None = None
 
-    def items(self, modality: str) -> tuple[list[torch.Tensor], torch.Tensor, list[str] | None]:
-        """(embeds, grid, uuids) of "image" or "video"."""
-        if modality == "image":
-            return self.image_embeds, self.image_grid_thw, self.image_uuids
-        return self.video_embeds, self.video_grid_thw, self.video_uuids
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's length as the model reads it, each pad counted as its item's rows: what
+        fills the context window and what usage reports."""
+        return len(self.prompt_token_ids) + sum(item.rows - 1 for item in self.media)
 
 
 @dataclass(frozen=True)
@@ -100,51 +120,48 @@ class EngineShape:
 
     @classmethod
     def of(cls, config: Qwen2VLConfig) -> EngineShape:
+        text = sub_config(config, "text_config")
         return cls(
-            config.text_config.vocab_size,
-            config.text_config.hidden_size,
+            text.vocab_size,
+            text.hidden_size,
             config.image_token_id,
             config.video_token_id,
-            config.vision_config.spatial_merge_size,
+            sub_config(config, "vision_config").spatial_merge_size,
         )
 
-    @property
-    def media_pads(self) -> tuple[tuple[str, int], ...]:
-        """(modality, pad token id): images, then videos (the order of mm_token_type_ids 1 and 2)."""
-        return (("image", self.image_token_id), ("video", self.video_token_id))
+    def pad_of(self, modality: Modality) -> int:
+        return self.image_token_id if modality == "image" else self.video_token_id
 
 
 def validate_request(request: EngineRequest, shape: EngineShape) -> None:
     """Raises ValueError unless the request fits the model. Engines call this first: vLLM crashes
-    its engine process on a rank-3 or wrong-width embedding, transformers fails deep inside generate."""
+    its engine process on a rank-3 or wrong-width embedding and silently accepts rows that
+    disagree with the grid; transformers fails deep inside generate.
+
+    The service hands over validated blobs (shared/blob.py); this checks what a blob cannot know:
+    the prompt's pads against the items, and each item against this model."""
     ids = request.prompt_token_ids
     if not ids:
         raise ValueError("prompt is empty")
     if min(ids) < 0 or max(ids) >= shape.vocab_size:
         raise ValueError(f"prompt token ids must be in [0, {shape.vocab_size})")
-    for modality, pad in shape.media_pads:
-        _validate_items(modality, *request.items(modality), shape)
-        pads, total = ids.count(pad), sum(e.shape[0] for e in request.items(modality)[0])
-        if pads != total:
-            raise ValueError(f"prompt has {pads} {modality} pad tokens but the {modality}s have {total} rows")
+    pads = {shape.image_token_id, shape.video_token_id}
+    if [token for token in ids if token in pads] != [shape.pad_of(item.modality) for item in request.media]:
+        raise ValueError(
+            f"the prompt's image/video pad tokens do not match the {len(request.media)} media item(s) "
+            "(one pad per item, of its modality, in order)"
+        )
+    for index, item in enumerate(request.media):
+        _validate_item(index, item, shape)
 
 
-def _validate_items(
-    modality: str, embeds: list[torch.Tensor], grid: torch.Tensor, uuids: list[str] | None, shape: EngineShape
-) -> None:
-    count = len(embeds)
-    if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] != count:
-        raise ValueError(f"{modality}_grid_thw must be [{count}, 3], got {list(grid.shape)}")
-    if uuids is not None and len(uuids) != count:
-        raise ValueError(f"{len(uuids)} {modality} uuids for {count} {modality}s")
-    for index, (rows_embeds, thw) in enumerate(zip(embeds, grid, strict=True)):
-        rows = int(thw.prod()) // shape.merge_size**2
-        if rows_embeds.ndim != 2 or tuple(rows_embeds.shape) != (rows, shape.hidden_size):
-            raise ValueError(
-                f"{modality} {index}: embeddings {list(rows_embeds.shape)}, expected {[rows, shape.hidden_size]}"
-            )
-        if modality == "image" and int(thw[0]) != 1:
-            raise ValueError(f"image {index}: grid t must be 1, got {int(thw[0])} (send a video instead)")
+def _validate_item(index: int, item: MediaItem, shape: EngineShape) -> None:
+    where = f"{item.modality} {index}"
+    if tuple(item.grid_thw.shape) != (1, 3):
+        raise ValueError(f"{where}: grid_thw must be [1, 3], got {list(item.grid_thw.shape)}")
+    rows = tokens_for_grid(item.grid_thw, shape.merge_size)
+    if item.embeds.ndim != 2 or tuple(item.embeds.shape) != (rows, shape.hidden_size):
+        raise ValueError(f"{where}: embeddings {list(item.embeds.shape)}, expected {[rows, shape.hidden_size]}")
 
 
 @dataclass(frozen=True)
@@ -158,6 +175,22 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob)
+
+
+def sub_config(config: PreTrainedConfig, name: str) -> PreTrainedConfig:
+    """config.text_config or config.vision_config; transformers types them as config, dict or None."""
+    sub = getattr(config, name, None)
+    if not isinstance(sub, PreTrainedConfig):
+        raise ValueError(f"checkpoint config has no {name}")
+    return sub
+
+
+def decode_text(tokenizer: PreTrainedTokenizerBase, token_ids: list[int]) -> str:
+    """Generated text as both engines emit it. No cleanup of spaces: it would rewrite text already
+    streamed (" ." -> "."), so the pieces would no longer add up to the whole."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert isinstance(text, str)  # one sequence in, one string out
+    return text
 
 
 def eos_token_ids(configured: int | list[int] | None, tokenizer: PreTrainedTokenizerBase) -> set[int]:

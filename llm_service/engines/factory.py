@@ -8,7 +8,7 @@ from typing import Literal
 
 import torch
 
-from llm_service.engines.base import Engine
+from llm_service.engines.base import Engine, ModelDtype
 
 EngineName = Literal["auto", "vllm", "transformers"]
 
@@ -30,7 +30,7 @@ def load_engine(
     name: EngineName,
     checkpoint: Path,
     device: str,
-    dtype: str,
+    dtype: ModelDtype,
     max_model_len: int,
     kv_cache_gib: float | None,
     enforce_eager: bool = False,

@@ -8,6 +8,8 @@ config), then ours in list order, then the sampling warpers (temperature, top_p)
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from transformers import LogitsProcessor
 
@@ -38,4 +40,5 @@ class Penalties(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         generated = input_ids[:, self.prompt_tokens :]  # [batch, generated so far]
         counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
-        return scores - self.presence * (counts > 0).to(scores.dtype) - self.frequency * counts
+        penalized = scores - self.presence * (counts > 0).to(scores.dtype) - self.frequency * counts
+        return cast(torch.FloatTensor, penalized)

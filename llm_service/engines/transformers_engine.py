@@ -1,10 +1,11 @@
 """Exact, slow engine: `Qwen2VLForConditionalGeneration.generate` fed with stored image embeddings.
 
-The image rows are scattered into the `<|image_pad|>` positions of the prompt embeddings; the
-model still gets `input_ids`, `mm_token_type_ids` and `image_grid_thw`, from which it derives the
-M-RoPE positions itself. In float32 this yields the same tokens as `generate(pixel_values=...)`.
-One generation runs at a time, on one worker thread: the model and its cached rope deltas are
-not re-entrant.
+The prompt arrives with one pad per image or video (the form vLLM takes); this engine expands each
+pad into one per embedding row (`expand_pads`), scatters the rows into those positions of the
+prompt embeddings, and still gives the model `input_ids`, `mm_token_type_ids` and the grids, from
+which it derives the M-RoPE positions itself. In float32 this yields the same tokens as
+`generate(pixel_values=...)`. One generation runs at a time, on one worker thread: the model and
+its cached rope deltas are not re-entrant.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from transformers import (
@@ -32,15 +34,32 @@ from llm_service.engines.base import (
     EngineShape,
     FinishReason,
     GenerationDelta,
+    MediaItem,
     SamplingParams,
     TokenLogprob,
+    decode_text,
     eos_token_ids,
+    sub_config,
     validate_request,
 )
 from llm_service.engines.logits import Penalties, RawLogprobs
+from shared.blob import Modality
 
 _DONE = object()  # end-of-stream marker on the queue
 Emit = Callable[[object], None]
+# mm_token_type_ids as Qwen2-VL's processor makes them: 0 text, 1 image, 2 video.
+_MM_TOKEN_TYPES: dict[Modality, int] = {"image": 1, "video": 2}
+
+
+def expand_pads(request: EngineRequest, shape: EngineShape) -> list[int]:
+    """The prompt as the language model reads it: the pad of media item i repeated rows(i) times.
+    The request must have passed validate_request (one pad per item, in order)."""
+    pads = {shape.image_token_id, shape.video_token_id}
+    rows = iter(item.rows for item in request.media)
+    expanded: list[int] = []
+    for token in request.prompt_token_ids:
+        expanded.extend([token] * next(rows) if token in pads else [token])
+    return expanded
 
 
 class IncrementalDetokenizer:
@@ -75,8 +94,7 @@ class IncrementalDetokenizer:
         return "" if self.stop_hit else self._take(self._decode())
 
     def _decode(self) -> str:
-        # Cleanup would rewrite earlier text (" ." -> "."), breaking the emitted prefix.
-        return self._tokenizer.decode(self._ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return decode_text(self._tokenizer, self._ids)
 
     def _find_stop(self, text: str) -> int | None:
         hits = [i for i in (text.find(s, max(0, self._emitted - len(s))) for s in self._stop) if i >= 0]
@@ -104,7 +122,7 @@ class _TokenObserver(StoppingCriteria):
         self.top_k = request.sampling.logprobs or 0
         self.eos_ids = eos_ids
         self.max_tokens = request.sampling.max_tokens
-        self.prompt_tokens = len(request.prompt_token_ids)
+        self.prompt_tokens = request.prompt_tokens
         self.emit = emit
         self.cancel = cancel
         self.completion_tokens = 0
@@ -121,7 +139,9 @@ class _TokenObserver(StoppingCriteria):
         logprobs = [self._logprob(token)] if self.raw is not None else []
         self.emit(GenerationDelta(text, [token], reason, self.prompt_tokens, self.completion_tokens, logprobs))
         stop = self.detok.stop_hit or self.cancel.is_set()
-        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+        return cast(
+            torch.BoolTensor, torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+        )
 
     def _logprob(self, token: int) -> TokenLogprob:
         assert self.raw is not None and self.raw.row is not None  # set by this step's processors
@@ -146,7 +166,8 @@ class TransformersEngine(Engine):
         self.shape = EngineShape.of(model.config)
         self.hidden_size: int = self.shape.hidden_size
         # The service's setting, as vLLM takes it, but never past the positions the model was made for.
-        self.max_model_len: int = min(max_model_len, model.config.text_config.max_position_embeddings)
+        positions = sub_config(model.config, "text_config").max_position_embeddings
+        self.max_model_len: int = min(max_model_len, positions)
         self.eos_ids = eos_token_ids(model.generation_config.eos_token_id, tokenizer)
         self.pad_token_id: int = _pad_id(model, tokenizer, self.eos_ids)
         # One worker thread serialises generations without a lock that a cancelled consumer could leak.
@@ -212,46 +233,50 @@ class TransformersEngine(Engine):
         sampling = request.sampling
         processors = LogitsProcessorList([raw] if raw is not None else [])
         if sampling.penalized:
-            prompt = len(request.prompt_token_ids)
-            processors.append(Penalties(prompt, sampling.presence_penalty, sampling.frequency_penalty))
+            processors.append(Penalties(request.prompt_tokens, sampling.presence_penalty, sampling.frequency_penalty))
         return processors
 
     def _generate_blocking(
         self, request: EngineRequest, observer: _TokenObserver, processors: LogitsProcessorList
     ) -> None:
         device = self.model.device
-        input_ids = torch.tensor([request.prompt_token_ids], dtype=torch.long, device=device)
+        input_ids = torch.tensor([expand_pads(request, self.shape)], dtype=torch.long, device=device)
         with torch.inference_mode():
             inputs_embeds = self.model.get_input_embeddings()(input_ids)
-            inputs_embeds, mm_kwargs = self._scatter_media(input_ids, inputs_embeds, request)
+            inputs_embeds, mm_kwargs = self._scatter_media(input_ids, inputs_embeds, request.media)
+            model_inputs: dict[str, Any] = {
+                "input_ids": input_ids,
+                "inputs_embeds": inputs_embeds,
+                "attention_mask": torch.ones_like(input_ids),
+                **mm_kwargs,
+            }
             if request.sampling.seed is not None:
                 torch.manual_seed(request.sampling.seed)  # safe: only this thread generates
-            self.model.generate(
-                input_ids=input_ids,
-                inputs_embeds=inputs_embeds,
-                attention_mask=torch.ones_like(input_ids),
+            # type: ignore: transformers types generate's self as a protocol its models do not declare.
+            self.model.generate(  # type: ignore[misc]
                 generation_config=self._generation_config(request.sampling),
                 stopping_criteria=StoppingCriteriaList([observer]),
                 logits_processor=processors,
-                **mm_kwargs,
+                **model_inputs,
             )
 
     def _scatter_media(
-        self, input_ids: torch.Tensor, inputs_embeds: torch.Tensor, request: EngineRequest
+        self, input_ids: torch.Tensor, inputs_embeds: torch.Tensor, media: list[MediaItem]
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Puts each image's and video's rows into its pad positions. Returns the embeddings and the
-        kwargs from which the model derives M-RoPE positions: mm_token_type_ids (0 text, 1 image,
-        2 video, as the processor makes them) and the grids."""
+        """Puts each image's and video's rows into its pad positions (the expanded prompt's).
+        Returns the embeddings and the kwargs from which the model derives M-RoPE positions:
+        mm_token_type_ids and the [n, 3] grids of each modality, in prompt order."""
         token_types = torch.zeros_like(input_ids)
         mm_kwargs: dict[str, torch.Tensor] = {}
-        for type_id, (modality, pad) in enumerate(self.shape.media_pads, 1):
-            embeds, grid, _ = request.items(modality)
-            if not embeds:
+        for modality, type_id in _MM_TOKEN_TYPES.items():
+            items = [item for item in media if item.modality == modality]
+            if not items:
                 continue
-            is_pad = input_ids == pad
-            rows = torch.cat(embeds).to(inputs_embeds.device, inputs_embeds.dtype)
+            is_pad = input_ids == self.shape.pad_of(modality)
+            rows = torch.cat([item.embeds for item in items]).to(inputs_embeds.device, inputs_embeds.dtype)
             inputs_embeds = inputs_embeds.masked_scatter(is_pad.unsqueeze(-1), rows)
             token_types[is_pad] = type_id
+            grid = torch.cat([item.grid_thw for item in items])
             mm_kwargs[f"{modality}_grid_thw"] = grid.to(inputs_embeds.device, torch.int64)
         if mm_kwargs:
             mm_kwargs["mm_token_type_ids"] = token_types

@@ -1,15 +1,13 @@
-"""Fast engine: vLLM's async engine in-process, fed with stored image embeddings.
+"""Fast engine: vLLM's async engine in-process, fed with stored image and video embeddings.
 
-vLLM brings continuous batching, the paged KV cache and prefix caching. Each image travels as
-multimodal data (`image_embeds` [rows, hidden] concatenated over the images, `image_grid_thw`
-[n, 3]; videos likewise as `video_embeds` / `video_grid_thw`) with the blob key as its uuid, so a
-second question on the same image reuses the cached prefix. With every modality limit at 0 and `enable_mm_embeds`, vLLM builds the vision tower on the
-meta device and never loads its weights: this engine only ever receives embeddings.
-
-vLLM's Qwen2-VL processor always expands each `<|image_pad|>` (and `<|video_pad|>`) of a token
-prompt into the item's rows; it has no "already expanded" check. Our prompts arrive expanded
-(prompt.py), so each item's run of pads is collapsed back to one pad before vLLM sees it, or vLLM
-would make it 2*rows-1 pads and every position after the first item would shift.
+vLLM brings continuous batching, the paged KV cache and prefix caching. The prompt goes to vLLM as
+we render it, with one `<|image_pad|>` / `<|video_pad|>` per item; vLLM's Qwen2-VL processor
+expands each pad into the item's rows. The items travel as multimodal data per modality
+(`image_embeds` [rows, hidden] concatenated over the images in prompt order, `image_grid_thw`
+[n, 3]; videos likewise), each with its blob key as uuid, so a second question on the same image
+reuses the cached prefix. With every modality limit at 0 and `enable_mm_embeds`, vLLM builds the
+vision tower on the meta device and never loads its weights: this engine only ever receives
+embeddings.
 """
 
 from __future__ import annotations
@@ -38,8 +36,10 @@ from llm_service.engines.base import (
     EngineShape,
     FinishReason,
     GenerationDelta,
+    ModelDtype,
     SamplingParams,
     TokenLogprob,
+    decode_text,
     eos_token_ids,
     validate_request,
 )
@@ -54,7 +54,7 @@ class VLLMEngine(Engine):
     def __init__(
         self, engine: AsyncLLM, tokenizer: PreTrainedTokenizerBase, config: Qwen2VLConfig, eos_ids: set[int]
     ) -> None:
-        self.engine = engine
+        self.engine: AsyncLLM | None = engine  # None once closed
         self.tokenizer = tokenizer
         self.shape = EngineShape.of(config)
         self.hidden_size: int = self.shape.hidden_size
@@ -64,7 +64,7 @@ class VLLMEngine(Engine):
 
     @classmethod
     def load(
-        cls, checkpoint: str, dtype: str = "float32", max_model_len: int = 4096, kv_cache_gib: float | None = None,
+        cls, checkpoint: str, dtype: ModelDtype = "float32", max_model_len: int = 4096, kv_cache_gib: float | None = None,
         enforce_eager: bool = False,
     ) -> VLLMEngine:  # fmt: skip
         """Starts vLLM's engine process for a local checkpoint (tens of seconds).
@@ -119,22 +119,25 @@ class VLLMEngine(Engine):
         await asyncio.to_thread(self.close)  # shutdown waits on the engine process; keep the loop free
 
     def num_unfinished_requests(self) -> int:
-        return self.engine.get_num_unfinished_requests()
+        return self._live().get_num_unfinished_requests()
 
     def failure(self) -> str | None:
         # `errored`: vLLM's process monitor saw EngineCore exit, or its output handler failed.
         return ENGINE_DEAD if self.engine is None or self.engine.errored else None
 
+    def _live(self) -> AsyncLLM:
+        """The engine; Unavailable once it is closed or its process died."""
+        if self.engine is None or self.engine.errored:
+            raise Unavailable(ENGINE_DEAD)
+        return self.engine
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[GenerationDelta]:
         self._validate(request)
-        if (failure := self.failure()) is not None:
-            raise Unavailable(failure)
+        engine = self._live()
         # Client ids may repeat; vLLM needs one id per live request to route outputs and aborts.
         request_id = f"{request.request_id}-{uuid.uuid4().hex}"
-        stream = self.engine.generate(
-            self.vllm_prompt(request), self.vllm_sampling_params(request.sampling), request_id
-        )
-        deltas = _DeltaBuilder(self.tokenizer, self.eos_ids, len(request.prompt_token_ids), request.sampling.logprobs)
+        stream = engine.generate(self.vllm_prompt(request), self.vllm_sampling_params(request.sampling), request_id)
+        deltas = _DeltaBuilder(self.tokenizer, self.eos_ids, request.prompt_tokens, request.sampling.logprobs)
         finished = False
         try:
             async for output in stream:
@@ -149,28 +152,27 @@ class VLLMEngine(Engine):
         finally:
             await stream.aclose()
             if not finished and self.failure() is None:  # consumer gone or error: free the KV blocks now
-                await self.engine.abort(request_id)
+                await engine.abort(request_id)
 
     def vllm_prompt(self, request: EngineRequest) -> TokensPrompt:
-        """The request as vLLM takes it: one pad per image and per video, embeddings and grids as
-        multimodal data, each item's blob key as its uuid."""
-        ids = request.prompt_token_ids
+        """The request as vLLM takes it: the prompt with one pad per item, embeddings and grids
+        as multimodal data, each item's uuid (its blob key) for the prefix cache."""
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         data: dict[str, dict[str, torch.Tensor]] = {}
-        uuids: dict[str, list[str]] = {}
-        for modality, pad in self.shape.media_pads:
-            embeds, grid, item_uuids = request.items(modality)
-            if not embeds:
+        uuids: dict[str, list[str | None]] = {}
+        for modality in ("image", "video"):
+            items = [item for item in request.media if item.modality == modality]
+            if not items:
                 continue
-            ids = _collapse_pads(ids, pad, [e.shape[0] for e in embeds], modality)
-            # [sum(rows), hidden] + [n, 3]: vLLM splits the rows per item by the grid and casts
-            # them to the model dtype.
-            data[modality] = {f"{modality}_embeds": _concat_rows(embeds), f"{modality}_grid_thw": grid.to(torch.int64)}
-            if item_uuids is not None:
-                uuids[modality] = list(item_uuids)
-        prompt = TokensPrompt(prompt_token_ids=ids)
+            # vLLM fills a modality's pads in order, splitting the rows per item by the grid; it
+            # casts them to the model dtype.
+            data[modality] = {
+                f"{modality}_embeds": _concat_rows([item.embeds for item in items]),
+                f"{modality}_grid_thw": torch.cat([item.grid_thw for item in items]).to(torch.int64),
+            }
+            uuids[modality] = [item.uuid for item in items]  # None: vLLM hashes that item's rows
         if data:
             prompt["multi_modal_data"] = data
-        if uuids:
             prompt["multi_modal_uuids"] = uuids
         return prompt
 
@@ -228,19 +230,21 @@ class _DeltaBuilder:
 
     def _tail(self, emitted: str) -> str:
         kept = [t for t in self._ids if t not in self._eos_ids]
-        full = self._tokenizer.decode(kept, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        full = decode_text(self._tokenizer, kept)
         return full[len(emitted) :] if full.startswith(emitted) else ""
 
 
 def _token_logprobs(piece: CompletionOutput, top_k: int) -> list[TokenLogprob]:
     """One entry per token of the delta. vLLM's dict per position holds the top k (ranks 1..k)
     plus the sampled token, an extra entry only when it ranks below k."""
-    if piece.logprobs is None:
+    positions = piece.logprobs
+    if positions is None:
         return []
-    return [
-        TokenLogprob(token, position[token].logprob, _top(position, top_k))
-        for token, position in zip(piece.token_ids, piece.logprobs, strict=True)
-    ]
+    entries = []
+    for token, position in zip(piece.token_ids, positions, strict=True):
+        assert position is not None  # only prompt positions may lack logprobs
+        entries.append(TokenLogprob(token, position[token].logprob, _top(position, top_k)))
+    return entries
 
 
 def _top(position: dict[int, Logprob], top_k: int) -> list[tuple[int, float]]:
@@ -258,23 +262,6 @@ def _concat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(rows)
     as_bytes = np.concatenate([t.view(torch.uint8).numpy() for t in rows])  # numpy has no bfloat16
     return torch.from_numpy(as_bytes).view(rows[0].dtype)
-
-
-def _collapse_pads(ids: list[int], pad: int, rows: list[int], modality: str) -> list[int]:
-    """One pad per item, for vLLM to expand again: item i's run of rows[i] pads becomes one.
-
-    Raises ValueError when an item's pads are not one contiguous run of its row count.
-    """
-    out: list[int] = []
-    position = 0
-    for item, count in enumerate(rows):
-        start = ids.index(pad, position)
-        if ids[start : start + count] != [pad] * count:
-            raise ValueError(f"{modality} {item}: its {count} pad tokens must be contiguous")
-        out += ids[position : start + 1]
-        position = start + count
-    out += ids[position:]
-    return out
 
 
 def _finish_reason(reason: str | None) -> FinishReason:
