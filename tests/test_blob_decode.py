@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load as torch_load
 from safetensors.torch import save as torch_save
 
+from encoder_service.blob_arrays import blob_from_tensors
 from llm_service.blob_tensors import embeds_tensor, grid_tensor
 from shared.blob import BlobRules, EmbeddingBlob, decode_blob, encode_blob, serialize_unvalidated
 from shared.errors import InvalidEmbedding
@@ -107,6 +108,18 @@ def test_engines_get_the_stored_tensors_without_a_copy(dtype: str) -> None:
     assert rows.dtype == embeds.dtype and torch.equal(rows, embeds) and torch.equal(grid_thw, grid)
     base = np.frombuffer(data, np.uint8).ctypes.data
     assert base <= rows.data_ptr() < base + len(data)
+
+
+@pytest.mark.parametrize("dtype", TORCH_DTYPES)
+def test_the_encoders_tensors_reach_an_engine_bit_for_bit(dtype: str) -> None:
+    """Tower output -> blob (encoder) -> bytes -> blob -> engine tensors (LLM service)."""
+    embeds, grid = torch.randn(6, 8).to(TORCH_DTYPES[dtype]), torch.tensor([[1, 4, 6]])
+    blob = blob_from_tensors(embeds, grid, "enc-a", "image")
+    assert blob.dtype == dtype
+    decoded = decode_blob(encode_blob(blob, RULES), RULES)
+    rows = embeds_tensor(decoded)
+    assert rows.dtype == embeds.dtype and torch.equal(rows.view(torch.int16), embeds.view(torch.int16))
+    assert torch.equal(grid_tensor(decoded), grid)
 
 
 def test_uint16_embeddings_are_not_taken_for_bfloat16_bits() -> None:
