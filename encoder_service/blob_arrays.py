@@ -10,10 +10,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from shared.blob import EmbeddingBlob, Modality
+from shared.blob import EmbeddingBlob, EmbedDtype, Modality
 
 # The blob dtype name of each tower dtype the encoder runs in.
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_DTYPE_NAMES: dict[torch.dtype, EmbedDtype] = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+}
 
 
 def blob_from_tensors(
