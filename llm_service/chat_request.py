@@ -96,11 +96,14 @@ def _sampling_from_pb(sampling: llm_pb2.SamplingParams, limits: SamplingLimits) 
     logprobs = _logprobs_from_pb(sampling)
     check_sampling("presence_penalty", sampling.presence_penalty)
     check_sampling("frequency_penalty", sampling.frequency_penalty)
+    seed = sampling.seed if sampling.HasField("seed") else None
+    if seed is not None:  # a negative seed kills vLLM's output handler (the whole engine)
+        check_sampling("seed", seed)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
-        seed=sampling.seed if sampling.HasField("seed") else None,
+        seed=seed,
         stop=stop,
         logprobs=logprobs,
         presence_penalty=sampling.presence_penalty,

@@ -12,7 +12,9 @@ import pytest
 
 from llm_service.chat_request import PromptMessage
 from shared.blob import EmbeddingBlob, encode_blob
+from shared.errors import InvalidInput
 from shared.keys import embedding_key
+from shared.sdk import LLMClient, Message, Sampling
 from tests.harness import VLLM_LIMITS, Stack
 
 MAX_MODEL_LEN = VLLM_LIMITS["max_model_len"]  # both LLM services of the in-process stack get it
@@ -98,3 +100,13 @@ def test_one_image_with_more_tokens_than_the_context_is_a_400(stack: Stack, mode
     response = _chat(stack, _body(model, [image, {"type": "text", "text": "What is it?"}], stream))
     _assert_too_long(response, None)
     assert "resulted in 23" in response.json()["error"]["message"]  # 2304 image tokens plus the text
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_seed_outside_the_table_is_invalid_input_through_the_sdk(stack: Stack, model: str) -> None:
+    """The gateway refuses a negative seed by the sampling table; a pipeline calling the LLM
+    service directly gets the same rule, not whatever the engine does with it."""
+    with LLMClient(stack.llm_target(model)) as llm:
+        with pytest.raises(InvalidInput) as caught:
+            list(llm.generate(model, [Message("user", ["hi"])], Sampling(max_tokens=2, temperature=1.0, seed=-1)))
+    assert caught.value.param == "seed" and "seed must be in 0..9223372036854775807" in str(caught.value)

@@ -48,6 +48,7 @@ def test_messages_keep_their_parts_in_order_and_media_lists_them() -> None:
         ("frequency_penalty", float("nan"), "frequency_penalty must be in [-2, 2]"),
         ("top_logprobs", MAX_TOP_LOGPROBS + 1, f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}"),
         ("max_tokens", 65, "max_tokens must be in 1..64"),  # this service's own limit
+        ("seed", -1, f"seed must be in 0..{2**63 - 1}"),
     ],
 )
 def test_out_of_bounds_sampling_is_invalid_input_naming_the_field(field: str, value: float, message: str) -> None:
