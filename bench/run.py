@@ -26,9 +26,9 @@ from bench.procs import REPO
 from bench.report import write_report
 from bench.s1_fanout import FanoutOptions
 from bench.s2_overhead import OverheadOptions
-from scripts.stack import ensure_redis, free_port
 from model_builders.bench import build_bench_all
 from model_builders.tiny import build_all
+from scripts.stack import ensure_redis, free_port
 
 TITLES = {"1": "Fan-out VQA", "2": "Overhead of our path", "3": "Transport", "4": "Encoder batching"}
 

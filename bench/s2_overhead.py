@@ -33,8 +33,9 @@ from bench.stats import ratio
 from bench.vllm_server import start_vllm_server, wait_vllm_ready
 from bench.weights import count_weights
 from bench.workload import QUESTIONS, chat_body
+from encoder_service.blob_arrays import blob_from_tensors
 from scripts.stack import free_port
-from shared.blob import BlobRules, EmbeddingBlob, encode_blob
+from shared.blob import BlobRules, encode_blob
 from shared.encoder_id import compute_encoder_id
 from shared.keys import embedding_key
 
@@ -82,7 +83,7 @@ def store_images(checkpoint: Path, redis_url: str, count: int, dtype: str, nonce
         seed = nonce * 1000 + index
         generator = torch.Generator().manual_seed(seed)
         embeds = torch.randn((math.prod(grid) // 4, hidden), generator=generator).to(getattr(torch, dtype))
-        data = encode_blob(EmbeddingBlob(embeds, torch.tensor([grid]), encoder_id), rules)
+        data = encode_blob(blob_from_tensors(embeds, torch.tensor([grid]), encoder_id, "image"), rules)
         key = embedding_key(encoder_id, str(seed).encode(), 0, 0)
         client.set(key, data)
         buffer = io.BytesIO()

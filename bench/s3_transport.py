@@ -22,6 +22,7 @@ import torch
 
 from bench.outcome import ScenarioResult, Target
 from bench.stats import median, percentile, ratio
+from encoder_service.blob_arrays import blob_from_tensors
 from llm_service.blob_fetch import fetch_items
 from shared.blob import BlobRules, EmbeddingBlob, decode_blob, encode_blob
 from shared.keys import embedding_key
@@ -41,7 +42,7 @@ TARGET_RATIO = 1.2
 def make_blob(grid: tuple[int, int, int], seed: int) -> tuple[str, bytes]:
     rows = grid[0] * grid[1] * grid[2] // 4
     embeds = torch.randn((rows, HIDDEN), generator=torch.Generator().manual_seed(seed))
-    blob = EmbeddingBlob(embeds, torch.tensor([grid], dtype=torch.int64), ENCODER_ID)
+    blob = blob_from_tensors(embeds, torch.tensor([grid], dtype=torch.int64), ENCODER_ID, "image")
     data = encode_blob(blob, RULES)
     return embedding_key(ENCODER_ID, data, 0, seed), data
 

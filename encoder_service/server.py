@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import grpc
 import torch
@@ -17,29 +16,25 @@ from encoder_service.resize import PixelPolicy
 from encoder_service.servicer import EncoderServicer
 from encoder_service.settings import EncoderSettings
 from encoder_service.vision import Preprocessed, VisionEncoder
+from shared import readiness
 from shared.encoder_id import compute_encoder_id
-from shared.grpc_server import RunningServer, start_server
 from shared.model_paths import resolve_checkpoint
 from shared.pb.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from shared.service_server import ServiceServer, start_service
 from shared.store import EmbeddingStore
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name
 
 
-@dataclass
-class EncoderServer:
-    running: RunningServer
-    core: EncoderCore
-
-    @property
-    def port(self) -> int:
-        return self.running.port
-
-    async def stop(self, grace_s: float = 0) -> None:
-        await self.running.stop(grace_s)
+class EncoderServer(ServiceServer[EncoderCore]):
+    async def release(self) -> None:
         await self.core.batcher.aclose()
         await self.core.store.aclose()
+
+    def readiness_checks(self) -> dict[str, readiness.Check]:
+        # SERVING only while Redis answers: every Encode stores its result there.
+        return {"redis": self.core.store.ping}
 
 
 def _observe_batch(batch_size: int, queue_depth: int) -> None:
@@ -111,13 +106,4 @@ async def start_encoder_server(settings: EncoderSettings, core: EncoderCore | No
     def register(server: grpc.aio.Server) -> None:
         encoder_pb2_grpc.add_EncoderServiceServicer_to_server(EncoderServicer(core), server)
 
-    running = await start_server(
-        register,
-        [SERVICE_NAME],
-        f"{settings.host}:{settings.port}",
-        settings.grpc_max_message_bytes,
-        settings.server_security(),
-    )
-    # SERVING only while Redis answers: every Encode stores its result there (shared/readiness.py).
-    await running.follow_readiness({"redis": core.store.ping})
-    return EncoderServer(running, core)
+    return await start_service(EncoderServer, core, settings, SERVICE_NAME, register)

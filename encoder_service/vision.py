@@ -19,6 +19,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransforme
 
 from encoder_service.batch_invariant import make_batch_invariant
 from encoder_service.resize import check_aspect_ratio
+from shared.blob import tokens_for_grid
 from shared.encoder_id import VISION_PREFIXES
 
 # One preprocessed image: pixel_values [patches, C*T*P*P] float32, grid_thw [1, 3] int64.
@@ -136,8 +137,8 @@ class VisionEncoder:
         self.encode_batch([self.preprocess(image)])
 
     def rows_for(self, grid_thw: torch.Tensor) -> int:
-        """Embedding rows one item yields: sum(prod(grid_thw)) // merge_size**2, for grid_thw [n, 3]."""
-        return int(grid_thw.reshape(-1, 3).prod(dim=-1).sum()) // self.merge_size**2
+        """Embedding rows one item yields, for grid_thw [n, 3] (the blob contract's rule)."""
+        return tokens_for_grid(grid_thw.numpy(), self.merge_size)
 
     def encode_batch(self, items: list[Preprocessed]) -> list[torch.Tensor]:
         """Encode several preprocessed images (or videos) in one forward pass.

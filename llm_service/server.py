@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 import grpc
 from transformers import AutoConfig
@@ -18,9 +17,9 @@ from llm_service.settings import LLMSettings
 from shared import readiness
 from shared.blob import BlobRules
 from shared.encoder_id import compute_encoder_id
-from shared.grpc_server import RunningServer, start_server
 from shared.model_paths import resolve_checkpoint
 from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc
+from shared.service_server import ServiceServer, start_service
 from shared.store import EmbeddingStore
 
 SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
@@ -30,18 +29,9 @@ ENGINE_POLL_S = 0.2
 ENGINE_FAILURE_GRACE_S = 2.0
 
 
-@dataclass
-class LLMServer:
-    running: RunningServer
-    core: LLMCore
-
-    @property
-    def port(self) -> int:
-        return self.running.port
-
-    async def stop(self, grace_s: float = 0) -> None:
-        """Drains RPCs, then releases the store and the engine (vLLM's engine process too)."""
-        await self.running.stop(grace_s)
+class LLMServer(ServiceServer[LLMCore]):
+    async def release(self) -> None:
+        """The store's connections and the engine (vLLM's engine process too)."""
         await self.core.store.aclose()
         await asyncio.to_thread(self.core.engine.close)
 
@@ -93,13 +83,4 @@ async def start_llm_server(settings: LLMSettings, core: LLMCore | None = None) -
         servicer = LLMServicer(core, limits, resolve_engine_name(settings.engine))
         llm_pb2_grpc.add_LLMServiceServicer_to_server(servicer, server)
 
-    running = await start_server(
-        register,
-        [SERVICE_NAME],
-        f"{settings.host}:{settings.port}",
-        settings.grpc_max_message_bytes,
-        settings.server_security(),
-    )
-    server = LLMServer(running, core)
-    await running.follow_readiness(server.readiness_checks())
-    return server
+    return await start_service(LLMServer, core, settings, SERVICE_NAME, register)

@@ -39,11 +39,11 @@ from PIL import Image
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from model_builders.tiny import build_all  # noqa: E402
 from scripts.drill_client import OUTCOMES, Tally, Workload, client_loop  # noqa: E402
 from scripts.fanout import image_data_url  # noqa: E402
 from scripts.redis_process import RedisServer  # noqa: E402
 from scripts.stack import Ports, RunningStack, StackConfig, redis_answers, start  # noqa: E402
-from model_builders.tiny import build_all  # noqa: E402
 
 MODELS = ("ft-a", "ft-b")
 # Tiny checkpoints on vLLM: a small KV cache and eager mode (a relaunch starts in seconds, not a minute).

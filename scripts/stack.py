@@ -37,8 +37,8 @@ import redis
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from scripts.fanout import demo_image, run_fanout  # noqa: E402
 from model_builders.tiny import build_all  # noqa: E402
+from scripts.fanout import demo_image, run_fanout  # noqa: E402
 
 
 def free_port() -> int:

@@ -202,7 +202,11 @@ def _server(name: str, port: tuple[str, int], settings: dict[str, str], probe: D
         "livenessProbe": _liveness(probe),
         "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
         "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "2Gi"}},
-        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
     }
 
 
@@ -215,7 +219,10 @@ def _workload(name: str, container: Doc, replicas: int | None = 1) -> list[Doc]:
         "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
     }
-    spec = {"selector": {"matchLabels": {"app": name}}, "template": {"metadata": {"labels": {"app": name}}, "spec": pod}}
+    spec = {
+        "selector": {"matchLabels": {"app": name}},
+        "template": {"metadata": {"labels": {"app": name}}, "spec": pod},
+    }
     if replicas:
         spec["replicas"] = replicas
     port = container["ports"][0]
@@ -244,7 +251,9 @@ def _stack() -> list[Doc]:
     for torch_server in (encoder, llm):  # threads = limits.cpu ("1")
         torch_server["env"] += [{"name": "OMP_NUM_THREADS", "value": "1"}, {"name": "MKL_NUM_THREADS", "value": "1"}]
     llm["resources"]["limits"]["nvidia.com/gpu"] = 1
-    gateway = _server("gateway", ("http", 8000), {"GATEWAY_PORT": "8000"}, {"httpGet": {"path": "/livez", "port": "http"}})
+    gateway = _server(
+        "gateway", ("http", 8000), {"GATEWAY_PORT": "8000"}, {"httpGet": {"path": "/livez", "port": "http"}}
+    )
     gateway["env"] += [
         {"name": "GATEWAY_MODELS", "valueFrom": {"configMapKeyRef": {"name": "routing", "key": "models.json"}}},
         {"name": "GATEWAY_ENCODER_TARGET", "valueFrom": {"configMapKeyRef": {"name": "routing", "key": "encoder"}}},
@@ -260,7 +269,10 @@ def _stack() -> list[Doc]:
            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "gateway"}, "minReplicas": 2,
                     "maxReplicas": 4, "metrics": [{"type": "Resource", "resource": {"name": "cpu", "target": cpu_target}}]}}  # fmt: skip
     workloads_ = [("encoder", encoder, 1), ("llm-ft-a", llm, 1), ("gateway", gateway, None), ("redis", redis, 1)]
-    return [doc for name, container, replicas in workloads_ for doc in _workload(name, container, replicas)] + [routing, hpa]
+    return [doc for name, container, replicas in workloads_ for doc in _workload(name, container, replicas)] + [
+        routing,
+        hpa,
+    ]
 
 
 def _pod(docs: list[Doc], name: str) -> Doc:
@@ -307,7 +319,12 @@ def _one_pdb_for_two(docs: list[Doc]) -> None:
 
 
 Breakage = Callable[[list[Doc]], object]
-SECRET_DOC = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "t", "namespace": NS}, "stringData": {"token": "x"}}
+SECRET_DOC = {
+    "apiVersion": "v1",
+    "kind": "Secret",
+    "metadata": {"name": "t", "namespace": NS},
+    "stringData": {"token": "x"},
+}
 CM_TOKEN = {"valueFrom": {"configMapKeyRef": {"name": "routing", "key": "t"}}}
 
 # (rule, text one of its findings must contain, how to break the small stack)
@@ -387,7 +404,9 @@ def test_every_rule_has_a_breaking_case() -> None:
     assert {rule for rule, _, _ in BREAKAGES} == set(RULES)
 
 
-@pytest.mark.parametrize(("rule", "expected", "breakage"), BREAKAGES, ids=[f"{r}-{i}" for i, (r, _, _) in enumerate(BREAKAGES)])
+@pytest.mark.parametrize(
+    ("rule", "expected", "breakage"), BREAKAGES, ids=[f"{r}-{i}" for i, (r, _, _) in enumerate(BREAKAGES)]
+)
 def test_rule_finds_the_breakage(rule: str, expected: str, breakage: Breakage) -> None:
     docs = _stack()
     assert RULES[rule](docs) == []

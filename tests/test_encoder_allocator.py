@@ -30,6 +30,7 @@ faults_of_one_pass()
 print(applied, faults_of_one_pass())
 """
 
+
 def _second_pass_faults(mode: str) -> tuple[bool, int]:
     out = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, check=True).stdout
     applied, faults = out.split()

@@ -27,7 +27,11 @@ SEEDS = {"a.png": 9101, "b.png": 9102, "nested/deeper/c.png": 9103}
 
 def preencode(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "encoder_service.preencode", *args], cwd=REPO, capture_output=True, text=True, timeout=180
+        [sys.executable, "-m", "encoder_service.preencode", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
 
 
@@ -57,10 +61,14 @@ def file_server(dataset: Path) -> Iterator[str]:
     server.shutdown()
 
 
-def test_folder_run_writes_ordered_manifest_and_fails_on_corrupt_file(stack: Stack, dataset: Path, tmp_path: Path) -> None:
+def test_folder_run_writes_ordered_manifest_and_fails_on_corrupt_file(
+    stack: Stack, dataset: Path, tmp_path: Path
+) -> None:
     manifest = tmp_path / "out.jsonl"
     missing = str(dataset / "missing.png")
-    first = preencode("--encoder", stack.encoder_target, "--concurrency", "1", "--manifest", str(manifest), str(dataset), missing)
+    first = preencode(
+        "--encoder", stack.encoder_target, "--concurrency", "1", "--manifest", str(manifest), str(dataset), missing
+    )
     assert first.returncode == 1, first.stderr[-2000:]
     assert first.stdout == ""
     records = manifest_lines(manifest.read_text())
@@ -84,13 +92,19 @@ def test_folder_run_writes_ordered_manifest_and_fails_on_corrupt_file(stack: Sta
     assert "4/4" in second.stderr and "cache_hits=3" in second.stderr
 
 
-def test_list_file_with_comments_relative_paths_and_urls(stack: Stack, dataset: Path, file_server: str, tmp_path: Path) -> None:
+def test_list_file_with_comments_relative_paths_and_urls(
+    stack: Stack, dataset: Path, file_server: str, tmp_path: Path
+) -> None:
     list_file = dataset / "list.txt"
     list_file.write_text(f"# images for the VQA set\n\na.png\n   \n{dataset / 'nested'}\n{file_server}/b.png\n")
     run = preencode("--encoder", stack.encoder_target, f"@{list_file}")
     assert run.returncode == 0, run.stderr[-2000:]
     records = manifest_lines(run.stdout)
-    assert [r["source"] for r in records] == [str(dataset / "a.png"), str(dataset / "nested/deeper/c.png"), f"{file_server}/b.png"]
+    assert [r["source"] for r in records] == [
+        str(dataset / "a.png"),
+        str(dataset / "nested/deeper/c.png"),
+        f"{file_server}/b.png",
+    ]
     with EncoderClient(stack.encoder_target) as encoder:
         assert records[2]["key"] == encoder.encode(image_bytes=png_bytes(SEEDS["b.png"])).key
 

@@ -1,0 +1,65 @@
+"""A service's running gRPC server together with the core it serves: what the encoder's and the
+LLM service's servers share.
+
+Each service's server.py builds its core, registers its servicer, and says what its core releases
+on stop and what readiness needs; binding, serving, readiness and stopping are written once, here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import grpc
+
+from shared import readiness
+from shared.grpc_server import RunningServer, start_server
+from shared.settings import GrpcServerSettings
+
+CoreT = TypeVar("CoreT")
+ServerT = TypeVar("ServerT", bound="ServiceServer")  # type: ignore[type-arg]  # any core
+
+
+@dataclass
+class ServiceServer(Generic[CoreT]):
+    running: RunningServer
+    core: CoreT
+
+    @property
+    def port(self) -> int:
+        return self.running.port
+
+    async def stop(self, grace_s: float = 0) -> None:
+        """Readiness goes NOT_SERVING, RPCs drain (up to grace_s), then the core's resources go."""
+        await self.running.stop(grace_s)
+        await self.release()
+
+    async def release(self) -> None:
+        """Frees what the core holds beyond its RPCs (store connections, batcher, engine)."""
+        raise NotImplementedError
+
+    def readiness_checks(self) -> dict[str, readiness.Check]:
+        """What must answer for the service to report SERVING (shared/readiness.py)."""
+        raise NotImplementedError
+
+
+async def start_service(
+    server_class: type[ServerT],
+    core: object,
+    settings: GrpcServerSettings,
+    service_name: str,
+    register: Callable[[grpc.aio.Server], None],
+) -> ServerT:
+    """Binds and starts the gRPC server with the servicer `register` adds, then reports SERVING
+    only while the server's readiness checks pass (until stop)."""
+    running = await start_server(
+        register,
+        [service_name],
+        f"{settings.host}:{settings.port}",
+        settings.grpc_max_message_bytes,
+        settings.server_security(),
+    )
+    server = server_class(running, core)
+    await running.follow_readiness(server.readiness_checks())
+    return server
