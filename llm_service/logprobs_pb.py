@@ -6,7 +6,7 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from llm_service.engines.base import TokenLogprob
+from llm_service.engines.base import SampledToken
 from shared.pb.llm.v1 import llm_pb2
 
 # Qwen2's tokenizer is byte-level BPE: every byte is spelled as one printable character.
@@ -31,10 +31,10 @@ class TokenNamer:
             self._names[token_id] = (raw.decode("utf-8", errors="replace"), raw)
         return self._names[token_id]
 
-    def to_pb(self, logprobs: list[TokenLogprob]) -> list[llm_pb2.TokenLogprob]:
+    def to_pb(self, logprobs: list[SampledToken]) -> list[llm_pb2.TokenLogprob]:
         return [self._entry(entry) for entry in logprobs]
 
-    def _entry(self, entry: TokenLogprob) -> llm_pb2.TokenLogprob:
+    def _entry(self, entry: SampledToken) -> llm_pb2.TokenLogprob:
         text, raw = self.name(entry.token_id)
         top = [self._top(token_id, logprob) for token_id, logprob in entry.top]
         return llm_pb2.TokenLogprob(token=text, logprob=entry.logprob, bytes=raw, top_logprobs=top)

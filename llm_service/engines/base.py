@@ -166,7 +166,7 @@ def _validate_item(index: int, item: MediaItem, shape: EngineShape) -> None:
 
 
 @dataclass(frozen=True)
-class TokenLogprob:
+class SampledToken:
     """A generated token's log probability and its most likely alternatives, most likely first.
 
     Both engines report vLLM's default kind, "raw_logprobs": log_softmax of the model's logits
@@ -218,7 +218,7 @@ class GenerationDelta:
     finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs: list[SampledToken] = field(default_factory=list)
 
 
 @runtime_checkable

@@ -35,8 +35,8 @@ from llm_service.engines.base import (
     FinishReason,
     GenerationDelta,
     MediaItem,
+    SampledToken,
     SamplingParams,
-    TokenLogprob,
     decode_text,
     eos_token_ids,
     sub_config,
@@ -143,11 +143,11 @@ class _TokenObserver(StoppingCriteria):
             torch.BoolTensor, torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
         )
 
-    def _logprob(self, token: int) -> TokenLogprob:
+    def _logprob(self, token: int) -> SampledToken:
         assert self.raw is not None and self.raw.row is not None  # set by this step's processors
         row = self.raw.row
         values, ids = row.topk(self.top_k)
-        return TokenLogprob(token, float(row[token]), list(zip(ids.tolist(), values.tolist(), strict=True)))
+        return SampledToken(token, float(row[token]), list(zip(ids.tolist(), values.tolist(), strict=True)))
 
     def _finish_reason(self, token: int) -> FinishReason | None:
         if self.detok.stop_hit or token in self.eos_ids:

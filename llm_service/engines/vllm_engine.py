@@ -37,8 +37,8 @@ from llm_service.engines.base import (
     FinishReason,
     GenerationDelta,
     ModelDtype,
+    SampledToken,
     SamplingParams,
-    TokenLogprob,
     decode_text,
     eos_token_ids,
     validate_request,
@@ -234,7 +234,7 @@ class _DeltaBuilder:
         return full[len(emitted) :] if full.startswith(emitted) else ""
 
 
-def _token_logprobs(piece: CompletionOutput, top_k: int) -> list[TokenLogprob]:
+def _token_logprobs(piece: CompletionOutput, top_k: int) -> list[SampledToken]:
     """One entry per token of the delta. vLLM's dict per position holds the top k (ranks 1..k)
     plus the sampled token, an extra entry only when it ranks below k."""
     positions = piece.logprobs
@@ -243,7 +243,7 @@ def _token_logprobs(piece: CompletionOutput, top_k: int) -> list[TokenLogprob]:
     entries = []
     for token, position in zip(piece.token_ids, positions, strict=True):
         assert position is not None  # only prompt positions may lack logprobs
-        entries.append(TokenLogprob(token, position[token].logprob, _top(position, top_k)))
+        entries.append(SampledToken(token, position[token].logprob, _top(position, top_k)))
     return entries
 
 
