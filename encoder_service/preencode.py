@@ -29,7 +29,7 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from shared.errors import ServiceError
-from shared.sdk import AsyncEncoderClient, EncodedImage
+from shared.sdk import AsyncEncoderClient, EncodedMedia
 
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"})
 URL_PREFIXES = ("http://", "https://")
@@ -104,7 +104,7 @@ def _error_record(source: str, code: str, message: str) -> dict[str, Any]:
     return {"source": source, "error": {"code": code, "message": message}}
 
 
-def _success_record(source: str, image: EncodedImage) -> dict[str, Any]:
+def _success_record(source: str, image: EncodedMedia) -> dict[str, Any]:
     fields = {
         "key": image.key,
         "grid_thw": image.grid_thw,

@@ -97,7 +97,7 @@ def _sampling_from_pb(sampling: llm_pb2.SamplingParams, limits: SamplingLimits) 
     check_sampling("presence_penalty", sampling.presence_penalty)
     check_sampling("frequency_penalty", sampling.frequency_penalty)
     seed = sampling.seed if sampling.HasField("seed") else None
-    if seed is not None:  # a negative seed kills vLLM's output handler (the whole engine)
+    if seed is not None:  # the gateway refuses a negative seed; so does every other way in
         check_sampling("seed", seed)
     return SamplingParams(
         max_tokens=max_tokens,

@@ -219,6 +219,8 @@ def _parse_header_uncached(header: bytes, data_len: int) -> tuple[dict[str, Any]
         raise ValueError(f"bad header: {error.msg}") from None
     except UnicodeDecodeError:
         raise ValueError("bad header: not UTF-8") from None
+    except RecursionError:  # a header of nested brackets: json recurses once per level
+        raise ValueError("bad header: nested too deeply") from None
     if not isinstance(parsed, dict):
         raise ValueError("bad header: not a JSON object")
     metadata = parsed.get("__metadata__")

@@ -51,24 +51,26 @@ async def _answer_cancellation(context: grpc.aio.ServicerContext, cancelled: asy
     await _abort(context, Unavailable("the service stopped this call (it is shutting down); retry"))
 
 
-def _is_abort(error: Exception) -> bool:
-    # context.abort() raises AbortError after setting the status; let it through.
-    return isinstance(error, grpc.aio.AbortError)
+async def _answer(context: grpc.aio.ServicerContext, error: BaseException, kind: str) -> None:
+    """The one mapping from what a servicer raised to the call's status, for unary and streaming
+    RPCs alike. Called from inside the `except` block, so the log keeps the traceback."""
+    if isinstance(error, grpc.aio.AbortError):  # context.abort() already set the status
+        raise error
+    if isinstance(error, ServiceError):
+        await _abort(context, error)
+    elif isinstance(error, asyncio.CancelledError):
+        await _answer_cancellation(context, error)
+    else:
+        logger.exception("unhandled error in %s RPC", kind)
+        await _abort(context, Internal("internal error; see the service log"))
 
 
 def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             return await behavior(request, context)
-        except ServiceError as error:
-            await _abort(context, error)
-        except asyncio.CancelledError as cancelled:
-            await _answer_cancellation(context, cancelled)
-        except Exception as error:
-            if _is_abort(error):
-                raise
-            logger.exception("unhandled error in unary RPC")
-            await _abort(context, Internal("internal error; see the service log"))
+        except (Exception, asyncio.CancelledError) as error:
+            await _answer(context, error, "unary")
 
     return wrapper
 
@@ -78,15 +80,9 @@ def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., A
         try:
             async for item in behavior(request, context):
                 yield item
-        except ServiceError as error:
-            await _abort(context, error)
-        except asyncio.CancelledError as cancelled:
-            await _answer_cancellation(context, cancelled)
-        except Exception as error:
-            if _is_abort(error):
-                raise
-            logger.exception("unhandled error in streaming RPC")
-            await _abort(context, Internal("internal error; see the service log"))
+        # Not GeneratorExit: a closed stream must close, not be answered.
+        except (Exception, asyncio.CancelledError) as error:
+            await _answer(context, error, "streaming")
 
     return wrapper
 

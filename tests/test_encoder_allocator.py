@@ -7,15 +7,15 @@ import sys
 
 import pytest
 
+# Starts processes of its own (see the tiers in tests/conftest.py).
+pytestmark = pytest.mark.integration
+
 # Allocates, writes and frees a 64 MB block twice in a fresh interpreter; prints the page faults the
 # second allocation took. 64 MB is over glibc's largest mmap threshold (32 MB): by default it is
 # mmapped, unmapped on free, and every one of its 16384 pages faults in again.
 _PROBE = """
 import ctypes, resource, sys
 from encoder_service.allocator import retain_freed_memory
-
-# Starts processes of its own (see the tiers in tests/conftest.py).
-pytestmark = pytest.mark.integration
 applied = retain_freed_memory() if sys.argv[1] == "retain" else False
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

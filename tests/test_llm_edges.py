@@ -12,9 +12,9 @@ import pytest
 
 from llm_service.chat_request import PromptMessage
 from shared.blob import EmbeddingBlob, encode_blob
-from shared.errors import InvalidInput
+from shared.errors import InvalidEmbedding, InvalidInput
 from shared.keys import embedding_key
-from shared.sdk import LLMClient, Message, Sampling
+from shared.sdk import InlineEmbedding, LLMClient, Message, Sampling
 from tests.harness import VLLM_LIMITS, Stack
 
 MAX_MODEL_LEN = VLLM_LIMITS["max_model_len"]  # both LLM services of the in-process stack get it
@@ -110,3 +110,14 @@ def test_a_seed_outside_the_table_is_invalid_input_through_the_sdk(stack: Stack,
         with pytest.raises(InvalidInput) as caught:
             list(llm.generate(model, [Message("user", ["hi"])], Sampling(max_tokens=2, temperature=1.0, seed=-1)))
     assert caught.value.param == "seed" and "seed must be in 0..9223372036854775807" in str(caught.value)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_an_inline_blob_whose_header_nests_deeply_is_invalid_embedding(stack: Stack, model: str) -> None:
+    """json recurses once per bracket: 100k of them raised RecursionError past the codec's error
+    mapping, an internal error (500) for what is the client's malformed blob."""
+    header = b"[" * 100_000 + b"]" * 100_000
+    blob = len(header).to_bytes(8, "little") + header + bytes(8)
+    with LLMClient(stack.llm_target(model)) as llm:
+        with pytest.raises(InvalidEmbedding, match="nested too deeply"):
+            list(llm.generate(model, [Message("user", [InlineEmbedding(blob), "hi"])], Sampling(max_tokens=2)))

@@ -47,7 +47,7 @@ class SamplingParams:
             "top_logprobs": self.logprobs,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
-            "seed": self.seed,  # a negative one kills vLLM's output handler
+            "seed": self.seed,
         }
         for name, value in knobs.items():
             bound = SAMPLING_BOUNDS[name]
