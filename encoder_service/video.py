@@ -1,7 +1,7 @@
 """A video, given as its frames, preprocessed the way Qwen2-VL's video processor does it.
 
 transformers' `Qwen2VLVideoProcessor` needs torchvision; the encoder must not (DESIGN.md). So each
-frame goes through the same PIL image processor as an image (resize, rescale, normalize), and the
+frame is resized as an image is (pixels.py), rescaled and normalised by the same PIL image processor, and the
 frames are then regrouped into temporal patches: Qwen2-VL's patch embedding sees
 `temporal_patch_size` (2) consecutive frames as one patch, so a video of F frames has
 t = ceil(F / 2) temporal positions, with an odd last frame repeated, as transformers does.
@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from encoder_service.pixels import resize_like_autoprocessor, target_size
 from encoder_service.resize import check_aspect_ratio
 from shared.errors import InvalidInput
 
@@ -44,7 +45,11 @@ def preprocess_video(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (pixel_values [t*h*w, C*T*P*P] float32, grid_thw [1, 3] int64) for frames of one size."""
     check_frame_sizes(frames)
-    out = processor(images=frames, size={"shortest_edge": min_pixels, "longest_edge": max_pixels}, return_tensors="pt")
+    factor = processor.patch_size * processor.merge_size
+    height, width = target_size(frames[0].height, frames[0].width, factor, min_pixels, max_pixels)
+    resized = [resize_like_autoprocessor(frame, height, width) for frame in frames]  # as for images
+    size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    out = processor(images=resized, size=size, do_resize=False, return_tensors="pt")
     grids = out["image_grid_thw"]
     _, grid_h, grid_w = (int(v) for v in grids[0])
     channels, temporal, patch = 3, processor.temporal_patch_size, processor.patch_size

@@ -1,4 +1,6 @@
-"""The Qwen2-VL vision tower alone, with its PIL image processor.
+"""The Qwen2-VL vision tower alone, with its image processor: images resampled as transformers'
+default (AutoProcessor) processor does (pixels.py), then rescaled, normalised and patched by the
+PIL processor, which needs no torchvision.
 
 The encoder pod never needs the language model: only `visual.*` weights are read from the
 checkpoint, so a 7B checkpoint costs the encoder a ~600M-parameter tower, not the whole model.
@@ -18,6 +20,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from encoder_service.batch_invariant import make_batch_invariant
+from encoder_service.pixels import resize_like_autoprocessor, target_size
 from encoder_service.resize import check_aspect_ratio
 from shared.blob import tokens_for_grid
 from shared.encoder_id import VISION_PREFIXES
@@ -124,7 +127,13 @@ class VisionEncoder:
         if low <= 0 or high < low:
             raise ValueError(f"need 0 < min_pixels <= max_pixels, got min_pixels={low}, max_pixels={high}")
         check_aspect_ratio(image.width, image.height, param)
-        out = self.processor(images=[image], size={"shortest_edge": low, "longest_edge": high}, return_tensors="pt")
+        height, width = target_size(image.height, image.width, self.resize_factor, low, high)
+        # Resampled as AutoProcessor's default processor does (pixels.py), then only rescaled,
+        # normalised and patched by the PIL processor.
+        resized = resize_like_autoprocessor(image, height, width)
+        out = self.processor(
+            images=[resized], size={"shortest_edge": low, "longest_edge": high}, do_resize=False, return_tensors="pt"
+        )
         return out["pixel_values"], out["image_grid_thw"].to(torch.int64)
 
     def warm_up(self, pixels: int) -> None:

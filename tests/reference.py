@@ -1,7 +1,8 @@
 """Independent greedy reference: transformers' own pieces only, none of our product code.
 
-The prompt is rendered by the checkpoint's chat template, an image goes through
-Qwen2VLImageProcessorPil (a video through Qwen2VLVideoProcessor), and the full model encodes the
+The prompt is rendered by the checkpoint's chat template, an image goes through transformers'
+default image processor (`AutoImageProcessor`, as AutoProcessor picks it: the torchvision-backed
+Qwen2VLImageProcessor), a video through Qwen2VLVideoProcessor, and the full model encodes the
 pixels itself inside `generate`.
 """
 
@@ -12,8 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
 
 _MODELS: dict[Path, Qwen2VLForConditionalGeneration] = {}
 
@@ -28,7 +28,9 @@ def _model(checkpoint: Path) -> Qwen2VLForConditionalGeneration:
 
 def reference_greedy_tokens(checkpoint: Path, image: Image.Image, question: str, max_new_tokens: int) -> list[int]:
     """Greedy completion token ids (eos included when produced) for one image and one question."""
-    vision = Qwen2VLImageProcessorPil.from_pretrained(checkpoint)(images=[image], return_tensors="pt")
+    processor = AutoImageProcessor.from_pretrained(checkpoint)
+    assert type(processor).__name__ == "Qwen2VLImageProcessor", f"not transformers' default: {type(processor)}"
+    vision = processor(images=[image], return_tensors="pt")
     return _greedy_with_pixels(checkpoint, "image", question, max_new_tokens, dict(vision))
 
 

@@ -57,6 +57,19 @@ def test_gateway_greedy_output_equals_transformers_given_pixels(
     assert len(outputs) == len(QUESTIONS), "questions should lead to different answers, else this test proves little"
 
 
+@pytest.mark.parametrize("model", ["ft-a", "ft-b"])
+def test_a_resized_image_gives_the_tokens_of_transformers_default_processor(
+    stack: Stack, openai_client: OpenAI, checkpoints: dict[str, Path], model: str
+) -> None:
+    """100x60 is resized (to 112x56): the encoder must resample as AutoProcessor's default does,
+    or the greedy answer drifts from the reference after a few tokens (seen before pixels.py)."""
+    image = png_bytes(seed=13, size=(100, 60))
+    for question in QUESTIONS:
+        text, completion_tokens, _ = _ask(openai_client, model, data_url(image), question)
+        expected = reference_greedy_tokens(checkpoints[model], pil_image(image), question, MAX_TOKENS)
+        assert (text, completion_tokens) == (_reference_text(checkpoints[model], expected), len(expected))
+
+
 def test_sdk_tokens_equal_reference_tokens_and_differ_across_models_and_images(
     stack: Stack, checkpoints: dict[str, Path]
 ) -> None:
