@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway import metrics
 from gateway.access import Admission, ApiKeys
 from gateway.backends import Backends
 from gateway.chat import generate, prepare
@@ -79,7 +80,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         # The slot is held exactly as long as the HTTP exchange, however it ends: a streaming
         # client may leave before the response head, and then no body iterator ever runs.
         on_exchange_end(request, admission.enter())
-        chat = await prepare(body, backends, settings, request.state.request_id)
+        with metrics.STAGE_SECONDS.labels("prepare").time():
+            chat = await prepare(body, backends, settings, request.state.request_id)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         chunks = generate(body, chat, backends, request.state.request_id)
         on_exchange_end(request, chunks.aclose)  # a stream nobody reads stops generating

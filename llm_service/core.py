@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from llm_service import metrics
 from llm_service.blob_cache import BlobCache
 from llm_service.blob_fetch import decode_items_async, fetch_items
 from llm_service.blob_tensors import embeds_tensor, grid_tensor
@@ -45,20 +47,26 @@ class LLMCore:
                 param="model",
             )
         media = request.media
-        blobs = await self._resolve_media(media)
-        try:
-            prompt_ids = self.prompt_builder.build(request.messages)
-        except ValueError as error:
-            raise InvalidInput(str(error), param="messages") from None
-        items = [
-            MediaItem(part.modality, embeds_tensor(blob), grid_tensor(blob), _media_uuid(part))
-            for part, blob in zip(media, blobs, strict=True)
-        ]
+        with metrics.REQUEST_STAGE_SECONDS.labels("media").time():
+            blobs = await self._resolve_media(media)
+        with metrics.REQUEST_STAGE_SECONDS.labels("prompt").time():
+            try:
+                prompt_ids = self.prompt_builder.build(request.messages)
+            except ValueError as error:
+                raise InvalidInput(str(error), param="messages") from None
+            items = [
+                MediaItem(part.modality, embeds_tensor(blob), grid_tensor(blob), _media_uuid(part))
+                for part, blob in zip(media, blobs, strict=True)
+            ]
         engine_request = EngineRequest(request.request_id, prompt_ids, items)
         engine_request.sampling = fit_to_context(
             engine_request.prompt_tokens, request.sampling, self.engine.max_model_len
         )
+        submitted: float | None = time.perf_counter()
         async for delta in self.engine.generate(engine_request):
+            if submitted is not None:
+                metrics.REQUEST_STAGE_SECONDS.labels("first_token").observe(time.perf_counter() - submitted)
+                submitted = None
             yield delta
 
     async def _resolve_media(self, media: list[MediaInput]) -> list[EmbeddingBlob]:

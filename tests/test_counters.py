@@ -71,3 +71,28 @@ def test_encoder_stats_and_metrics_count_the_same_encodes(stack: Stack, metrics_
     assert stats_after.cache_hits - stats_before.cache_hits == 1
     assert metrics_after["encoder_images_encoded_total"] - metrics_before["encoder_images_encoded_total"] == 1
     assert metrics_after["encoder_cache_hits_total"] - metrics_before["encoder_cache_hits_total"] == 1
+
+
+def _stage_counts(url: str) -> dict[str, float]:
+    return {
+        sample.labels["stage"]: sample.value
+        for family in text_string_to_metric_families(httpx.get(url, timeout=5).text)
+        for sample in family.samples
+        if sample.name == "llm_request_stage_seconds_count"
+    }
+
+
+def test_llm_service_times_each_stage_before_the_first_token(stack: Stack, metrics_url: str) -> None:
+    """One observation per stage per Generate call, on both engines (ft-a vLLM, ft-b transformers)."""
+    with EncoderClient(stack.encoder_target) as encoder:
+        key = encoder.encode(image_bytes=png_bytes(6102)).key
+    before = _stage_counts(metrics_url)
+    for model in ("ft-a", "ft-b"):
+        with LLMClient(stack.llm_target(model)) as llm:
+            list(llm.generate(model, [Message("user", [ImageKey(key), "hi"])], Sampling(max_tokens=2)))
+    after = _stage_counts(metrics_url)
+    assert {stage: after[stage] - before.get(stage, 0) for stage in ("media", "prompt", "first_token")} == {
+        "media": 2,
+        "prompt": 2,
+        "first_token": 2,
+    }
