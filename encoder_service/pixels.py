@@ -33,6 +33,7 @@ def resize_like_autoprocessor(image: Image.Image, height: int, width: int) -> Im
     returned as is when it already has that size."""
     if (image.height, image.width) == (height, width):
         return image
-    pixels = torch.from_numpy(np.asarray(image.convert("RGB"))).permute(2, 0, 1).unsqueeze(0).contiguous()
+    # A writable copy: torch warns on (and must not share) the read-only buffer PIL exposes.
+    pixels = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1).unsqueeze(0).contiguous()
     resized = F.interpolate(pixels, size=(height, width), mode="bicubic", align_corners=False, antialias=True)
     return Image.fromarray(resized[0].permute(1, 2, 0).numpy())
