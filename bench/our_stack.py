@@ -28,6 +28,7 @@ class OurStack:
     base_url: str  # gateway, http://127.0.0.1:<port>
     encoder_target: str | None  # host:port, None when started without an encoder
     encode_count_dir: Path  # where the LLM services' vLLM engines would count vision-tower runs
+    metrics_urls: list[str]  # the gateway's and each LLM service's /metrics
 
 
 def start_our_stack(
@@ -48,15 +49,17 @@ def start_our_stack(
         )
         waits.append((service, grpc_serving(encoder_target)))
     routes = {}
+    metrics_urls = []
     for name, checkpoint in models.items():
-        port = free_port()
+        port, metrics_port = free_port(), free_port()
+        metrics_urls.append(f"http://127.0.0.1:{metrics_port}/metrics")
         routes[name] = [f"127.0.0.1:{port}"]
         env = {
             "LLM_CHECKPOINT": str(checkpoint), "LLM_MODEL_NAME": name, "LLM_PORT": str(port),
             "LLM_ENGINE": options.engine, "LLM_DTYPE": options.dtype, "LLM_REDIS_URL": options.redis_url,
             # The same context and KV cache as the plain vLLM servers they are compared with.
             "LLM_MAX_MODEL_LEN": str(MAX_MODEL_LEN), "LLM_KV_CACHE_GIB": KV_CACHE_GIB,
-            "LLM_ENFORCE_EAGER": str(options.eager).lower(), "LLM_LOG_LEVEL": "WARNING", "LLM_METRICS_PORT": "0",
+            "LLM_ENFORCE_EAGER": str(options.eager).lower(), "LLM_LOG_LEVEL": "WARNING", "LLM_METRICS_PORT": str(metrics_port),
             **vllm_env(count_dir),
         }  # fmt: skip
         weights = count_weights(checkpoint).language_bytes(options.dtype)
@@ -72,4 +75,4 @@ def start_our_stack(
     waits.append((group.start("ours-gateway", python_module("gateway"), env), http_ok(f"{base_url}/v1/models")))
     for service, ready in waits:
         wait_until(service, ready, options.start_timeout_s)
-    return OurStack(base_url, encoder_target, count_dir)
+    return OurStack(base_url, encoder_target, count_dir, [f"{base_url}/metrics", *metrics_urls])

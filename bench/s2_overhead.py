@@ -29,6 +29,7 @@ from bench.client import LoadResult, run_concurrent, run_sequential
 from bench.our_stack import StackOptions, start_our_stack
 from bench.outcome import ScenarioResult, Target
 from bench.procs import ServiceGroup
+from bench.stages import stage_means_ms
 from bench.stats import ratio
 from bench.vllm_server import start_vllm_server, wait_vllm_ready
 from bench.weights import count_weights
@@ -177,10 +178,18 @@ def run(stack: StackOptions, options: OverheadOptions, log_dir: Path, nonce: int
             "direct vLLM": f"http://127.0.0.1:{port}/v1/chat/completions",
         }
         runs = asyncio.run(_measure(urls, images, rounds, sequential))
+        stages = stage_means_ms(ours.metrics_urls)
         config["measure_s"] = round(time.monotonic() - began - config["startup_s"], 1)
     config["stop_s"] = round(time.monotonic() - began - config["startup_s"] - config["measure_s"], 1)
     result.memory = group.memory
     _fill(result, runs)
+    config["our stages, mean ms per request (warm-up included)"] = {label: round(ms, 2) for label, ms in stages.items()}
+    result.notes.append(
+        "ours, mean per request before the first token (ms): "
+        + ", ".join(f"{label} {ms:.2f}" for label, ms in stages.items())
+        + " (gateway:prepare = encode/look up media and build messages; llm:media = pod cache, Redis, validation;"
+        " llm:prompt = chat template; llm:first_token = engine submit to first output)"
+    )
     result.notes.append(
         "direct vLLM runs with --enable-mm-embeds and images limited to 0: like our engine, it never loads the vision tower"
     )
