@@ -133,6 +133,11 @@ class EngineShape:
     def pad_of(self, modality: Modality) -> int:
         return self.image_token_id if modality == "image" else self.video_token_id
 
+    @property
+    def pads(self) -> frozenset[int]:
+        """The prompt tokens that stand for a media item."""
+        return frozenset((self.image_token_id, self.video_token_id))
+
 
 def validate_request(request: EngineRequest, shape: EngineShape) -> None:
     """Raises ValueError unless the request fits the model. Engines call this first: vLLM crashes
@@ -146,7 +151,7 @@ def validate_request(request: EngineRequest, shape: EngineShape) -> None:
         raise ValueError("prompt is empty")
     if min(ids) < 0 or max(ids) >= shape.vocab_size:
         raise ValueError(f"prompt token ids must be in [0, {shape.vocab_size})")
-    pads = {shape.image_token_id, shape.video_token_id}
+    pads = shape.pads
     if [token for token in ids if token in pads] != [shape.pad_of(item.modality) for item in request.media]:
         raise ValueError(
             f"the prompt's image/video pad tokens do not match the {len(request.media)} media item(s) "

@@ -54,7 +54,7 @@ _MM_TOKEN_TYPES: dict[Modality, int] = {"image": 1, "video": 2}
 def expand_pads(request: EngineRequest, shape: EngineShape) -> list[int]:
     """The prompt as the language model reads it: the pad of media item i repeated rows(i) times.
     The request must have passed validate_request (one pad per item, in order)."""
-    pads = {shape.image_token_id, shape.video_token_id}
+    pads = shape.pads
     rows = iter(item.rows for item in request.media)
     expanded: list[int] = []
     for token in request.prompt_token_ids:
