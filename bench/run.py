@@ -1,4 +1,4 @@
-"""CLI: `python -m bench [--quick] [--scenarios 1,2,3,4] [--engine vllm|transformers] [--dtype ...]`.
+"""CLI: `python -m bench [--quick] [--scenarios 1,2,3,4,5] [--engine vllm|transformers] [--dtype ...]`.
 
 Starts a private Redis on a free port, builds the benchmark checkpoints under bench/checkpoints
 (once), runs the chosen scenarios one after another (never two systems under test at once: on a
@@ -18,7 +18,7 @@ import traceback
 from contextlib import ExitStack
 from pathlib import Path
 
-from bench import s1_fanout, s2_overhead, s3_transport, s4_batching
+from bench import s1_fanout, s2_overhead, s3_transport, s4_batching, s5_epd
 from bench.machine import command_line, machine_info
 from bench.our_stack import StackOptions
 from bench.outcome import ScenarioResult
@@ -30,7 +30,13 @@ from model_builders.bench import build_bench_all
 from model_builders.tiny import build_all
 from scripts.stack import ensure_redis, free_port
 
-TITLES = {"1": "Fan-out VQA", "2": "Overhead of our path", "3": "Transport", "4": "Encoder batching"}
+TITLES = {
+    "1": "Fan-out VQA",
+    "2": "Overhead of our path",
+    "3": "Transport",
+    "4": "Encoder batching",
+    "5": "Ours vs vLLM's encoder disaggregation (EPD)",
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,7 +47,7 @@ def parse_args() -> argparse.Namespace:
         "--quick", action="store_true", help="scenarios 2 and 3 at small sizes (regression check, < 2 min)"
     )
     parser.add_argument(
-        "--scenarios", default=None, help="comma-separated subset of 1,2,3,4 (default: all; --quick: 2,3)"
+        "--scenarios", default=None, help="comma-separated subset of 1,2,3,4,5 (default: all; --quick: 2,3)"
     )
     parser.add_argument(
         "--engine", choices=["vllm", "transformers"], default="vllm", help="LLM_ENGINE of our LLM services"
@@ -53,7 +59,7 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     # Quick regression runs must not replace the full run's latest.md.
     args.out = args.out or REPO / "bench" / "results" / ("quick" if args.quick else "")
-    chosen = args.scenarios or ("2,3" if args.quick else "1,2,3,4")
+    chosen = args.scenarios or ("2,3" if args.quick else ",".join(TITLES))
     args.scenarios = [s.strip() for s in chosen.split(",") if s.strip()]
     unknown = set(args.scenarios) - set(TITLES)
     if unknown:
@@ -77,6 +83,8 @@ def _run_one(key: str, args: argparse.Namespace, redis_url: str, log_dir: Path, 
             redis_url, built["base"], args.dtype, log_dir, nonce, sequential_images=4 if args.quick else 8
         )
     finetunes = {name: path for name, path in built.items() if name != "base"}
+    if key == "5":
+        return s5_epd.run(stack, FanoutOptions(built["base"], finetunes), log_dir, nonce)
     return s1_fanout.run(stack, FanoutOptions(built["base"], finetunes), log_dir, nonce)
 
 

@@ -50,7 +50,8 @@ class FanoutOptions:
     finetunes: dict[str, Path]  # model name -> checkpoint
 
 
-def _requests(urls: dict[str, str], images: list[bytes]) -> list[tuple[str, dict[str, Any]]]:
+def fanout_requests(urls: dict[str, str], images: list[bytes]) -> list[tuple[str, dict[str, Any]]]:
+    """Every (model, image, question) as (url of that model, streaming chat body with the image inline)."""
     parts = [image_url_part(image) for image in images]
     return [
         (url, chat_body(model, part, question, MAX_TOKENS))
@@ -60,7 +61,8 @@ def _requests(urls: dict[str, str], images: list[bytes]) -> list[tuple[str, dict
     ]
 
 
-def _row(load: LoadResult, encodes: int | float) -> dict[str, Any]:
+def load_row(load: LoadResult, encodes: int | float) -> dict[str, Any]:
+    """A load's row under COLUMNS."""
     s = load.summary()
     return {"requests": s["requests"], "errors": s["errors"], "wall s": s["wall_s"], "encodes": encodes,
             "TTFT p50 s": s["ttft_p50_s"], "TTFT p95 s": s["ttft_p95_s"], "output tok/s": s["output_tok_s"],
@@ -90,7 +92,7 @@ def _run_baseline(
                 for _, port in servers.values():
                     reset_prefix_cache(port)
             before = sum(encodes_counted(d) for d in count_dirs)  # whatever start-up ran is not counted
-            load = asyncio.run(run_concurrent(_requests(urls, images)))
+            load = asyncio.run(run_concurrent(fanout_requests(urls, images)))
             rows[label] = (load, sum(encodes_counted(d) for d in count_dirs) - before)
     result.memory += group.memory
     return rows
@@ -103,10 +105,11 @@ async def _encode_once(target: str, images: list[bytes]) -> float:
         return time.perf_counter() - start
 
 
-async def _ours_load(target: str, urls: dict[str, str], images: list[bytes]) -> tuple[LoadResult, dict[str, int]]:
+async def ours_load(target: str, urls: dict[str, str], images: list[bytes]) -> tuple[LoadResult, dict[str, int]]:
+    """The requests through our gateway, and what the encoder at `target` counted meanwhile."""
     async with AsyncEncoderClient(target) as encoder:
         before = await encoder.stats()
-        load = await run_concurrent(_requests(urls, images))
+        load = await run_concurrent(fanout_requests(urls, images))
         after = await encoder.stats()
     fields = ("images_encoded", "cache_hits", "coalesced", "forward_passes")
     return load, {field: getattr(after, field) - getattr(before, field) for field in fields}
@@ -125,7 +128,7 @@ def _run_ours(
         ours = start_our_stack(group, stack, options.finetunes, options.base)
         assert ours.encoder_target is not None
         urls = {name: f"{ours.base_url}/v1/chat/completions" for name in options.finetunes}
-        load, counters = asyncio.run(_ours_load(ours.encoder_target, urls, images))
+        load, counters = asyncio.run(ours_load(ours.encoder_target, urls, images))
         counters["llm_service_vision_runs"] = encodes_counted(ours.encode_count_dir)  # must stay 0
         encode_s = asyncio.run(_encode_once(ours.encoder_target, fresh))
     finally:
@@ -147,7 +150,7 @@ def run(stack: StackOptions, options: FanoutOptions, log_dir: Path, nonce: int) 
         result.title += " (ours FAILED)"
         result.notes.append(f"ours failed: {error!r}"[:2000])
     for label, (load, encodes) in loads.items():
-        result.rows[label] = _row(load, encodes)
+        result.rows[label] = load_row(load, encodes)
         if load.errors:
             result.notes.append(f"{label}: {len(load.errors)} failed requests, first: {load.errors[0]}")
     if counters is not None:

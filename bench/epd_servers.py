@@ -1,0 +1,102 @@
+"""vLLM's own encoder disaggregation (EPD), started as vLLM documents it: one encoder-only
+instance of the base checkpoint (`ec_role: ec_producer`) serving every fine-tune's name, and one
+vLLM per fine-tune (`ec_role: ec_consumer`), all on one ECExampleConnector directory.
+
+The producer-only role turns on vLLM's encoder-only mode (language-model weights not loaded,
+prefix cache off); the consumer role turns on mm-embeds, so metadata-only image parts are
+accepted. Each item's encoder output is one `<dir>/<uuid>/encoder_cache.safetensors` file,
+written by the producer and read by consumers. Every process gets the benchmark's vLLM
+environment (1 GiB KV cache, the encode-counting hook), as the other baselines do.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.epd_proxy import EpdRoutes
+from bench.procs import Service, ServiceGroup, python_module
+from bench.vllm_server import MAX_MODEL_LEN, vllm_env, wait_vllm_ready
+from bench.weights import count_weights
+from scripts.stack import free_port
+
+ENCODER = "epd-encoder"
+CACHE_FILE = "encoder_cache.safetensors"
+
+
+@dataclass
+class EpdDeployment:
+    routes: EpdRoutes
+    storage: Path  # the connector's shared_storage_path
+    services: dict[str, tuple[Service, int]]  # service name -> (service, port)
+    count_dirs: dict[str, Path]  # service name -> where its vision-tower runs are counted
+
+
+def consumer_name(model: str) -> str:
+    return f"epd-decode-{model}"
+
+
+def ec_transfer_config(role: str, storage: Path) -> str:
+    return json.dumps({
+        "ec_connector": "ECExampleConnector",
+        "ec_role": role,
+        "ec_connector_extra_config": {"shared_storage_path": str(storage)},
+    })  # fmt: skip
+
+
+def stored_items(storage: Path) -> int:
+    """Encoder outputs on disk. Files, not folders: a consumer's lookup creates the folder even on a miss."""
+    return sum(1 for _ in storage.glob(f"*/{CACHE_FILE}"))
+
+
+def clear_storage(storage: Path) -> None:
+    """The connector never deletes a file; a run starts from an empty directory."""
+    shutil.rmtree(storage, ignore_errors=True)
+    storage.mkdir(parents=True)
+
+
+def _start(
+    group: ServiceGroup, name: str, checkpoint: Path, served: list[str], role: str, storage: Path, dtype: str,
+    eager: bool, weight_bytes: int, weights: str,
+) -> tuple[Service, int]:  # fmt: skip
+    port = free_port()
+    argv = [
+        *python_module("vllm.entrypoints.openai.api_server"),
+        "--model", str(checkpoint), "--served-model-name", *served, "--dtype", dtype,
+        "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(port),
+        "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning",
+        "--ec-transfer-config", ec_transfer_config(role, storage),
+    ]  # fmt: skip
+    if eager:
+        argv.append("--enforce-eager")
+    return group.start(name, argv, vllm_env(group.log_dir / f"{name}.encodes"), weight_bytes, weights), port
+
+
+def start_epd(
+    group: ServiceGroup,
+    base: Path,
+    finetunes: dict[str, Path],
+    storage: Path,
+    dtype: str,
+    *,
+    eager: bool,
+    start_timeout_s: float,
+) -> EpdDeployment:
+    """Starts the encoder instance and one consumer per fine-tune on an emptied `storage`; waits for all."""
+    clear_storage(storage)
+    vision = count_weights(base).vision_bytes(dtype)
+    services = {ENCODER: _start(group, ENCODER, base, ["base", *finetunes], "ec_producer", storage, dtype, eager,
+                                vision, f"vision tower (encoder-only mode), {dtype}")}  # fmt: skip
+    for model, checkpoint in finetunes.items():
+        name = consumer_name(model)
+        weights = count_weights(checkpoint).total_bytes(dtype)
+        services[name] = _start(group, name, checkpoint, [model], "ec_consumer", storage, dtype, eager,
+                                weights, f"vision tower + language model, {dtype}")  # fmt: skip
+    for service, port in services.values():
+        wait_vllm_ready(service, port, start_timeout_s)
+    url = "http://127.0.0.1:{}/v1/chat/completions".format
+    routes = EpdRoutes(url(services[ENCODER][1]), {m: url(services[consumer_name(m)][1]) for m in finetunes})
+    count_dirs = {name: group.log_dir / f"{name}.encodes" for name in services}
+    return EpdDeployment(routes, storage, services, count_dirs)
