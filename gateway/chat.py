@@ -173,13 +173,19 @@ async def _one_choice(
     first_at = time.perf_counter()
     metrics.TTFT_SECONDS.labels(request.model).observe(first_at - started)
     yield first
+    # The consumer asks for the next chunk once it has sent this one as a response event, so the
+    # time spent in each yield is the relay (with n > 1, only the hand-over to the merging queue).
+    relaying = time.perf_counter() - first_at
     async for chunk in stream:
         if chunk.finish_reason is not None:
             metrics.TOKENS.labels(request.model).inc(chunk.completion_tokens)
             if chunk.completion_tokens > 1:  # decode time per token after the first
                 per_token = (time.perf_counter() - first_at) / (chunk.completion_tokens - 1)
                 metrics.TOKEN_SECONDS.labels(request.model).observe(per_token)
+        handed = time.perf_counter()
         yield chunk
+        relaying += time.perf_counter() - handed
+    metrics.STAGE_SECONDS.labels("relay").observe(relaying)
 
 
 def generate(

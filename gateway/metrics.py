@@ -27,8 +27,9 @@ TOKEN_SECONDS = Histogram(
     ["model"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
 )
-# The gateway's own share of a chat's time to first token: prepare (encode or look up every image
-# and video, build the messages); the LLM service times its stages in llm_request_stage_seconds.
+# The gateway's own share of a chat's time: prepare (encode or look up every image and video, build
+# the messages) and relay (turning each choice's chunks into the response and sending them, summed
+# over a completed choice); the LLM service times its stages in llm_request_stage_seconds.
 STAGE_SECONDS = Histogram(
     "gateway_request_stage_seconds", "Time of each stage of a chat completion in the gateway, by stage.", ["stage"],
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),

@@ -15,10 +15,11 @@ BLOB_FETCH_SECONDS = Histogram(
 BLOB_NOT_FOUND = Counter(
     "llm_blob_not_found_total", "Keys asked of Redis that it did not hold (expired or never stored)."
 )
-# The stages of one Generate call up to its first token, so the fixed cost of the encode-once hop
-# can be read apart from the engine's own work: media (cache lookup, Redis fetch, validation),
-# prompt (chat template, media items) and first_token (engine submit to first output).
+# The stages of one Generate call, so the fixed cost of the encode-once hop can be read apart from
+# the engine's own work: media (cache lookup, Redis fetch, validation), prompt (chat template,
+# media items), first_token (engine submit to first output) and stream (turning the engine's
+# outputs into gRPC messages and sending them, summed over a completed call's messages).
 REQUEST_STAGE_SECONDS = Histogram(
-    "llm_request_stage_seconds", "Time of each stage of a Generate call before its first token.", ["stage"],
+    "llm_request_stage_seconds", "Time of each stage of a Generate call (media, prompt, first_token, stream).", ["stage"],
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )  # fmt: skip

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 import grpc
 
+from llm_service import metrics
 from llm_service.chat_request import ChatRequest, SamplingLimits
 from llm_service.core import LLMCore
 from llm_service.logprobs_pb import TokenNamer
@@ -25,7 +27,9 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         self, request: llm_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[llm_pb2.GenerateChunk]:
         chat = ChatRequest.from_pb(request, self._limits)
+        streaming = 0.0  # our share of the stream: building and sending messages, not awaiting the engine
         async for delta in self._core.generate(chat):
+            began = time.perf_counter()
             chunk = llm_pb2.GenerateChunk(
                 text=delta.text, token_ids=delta.token_ids, logprobs=self._namer.to_pb(delta.logprobs)
             )
@@ -33,7 +37,9 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
                 chunk.finish_reason = _FINISH_REASONS[delta.finish_reason]
                 chunk.usage.prompt_tokens = delta.prompt_tokens
                 chunk.usage.completion_tokens = delta.completion_tokens
-            yield chunk
+            yield chunk  # resumes once gRPC has taken the message
+            streaming += time.perf_counter() - began
+        metrics.REQUEST_STAGE_SECONDS.labels("stream").observe(streaming)
 
     async def ListModels(
         self, request: llm_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

@@ -48,9 +48,9 @@ def test_metrics_count_requests_encodes_and_rpcs(stack: Stack, openai_client: Op
         >= _sample(before, "grpc_server_handled_total", **generate) + 1
     )
     assert _sample(after, "gateway_ttft_seconds_count", model="ft-a") >= 1
-    # The gateway's own stage and the LLM service's stages, one observation each for this chat.
-    for name, stage in [("gateway_request_stage_seconds_count", "prepare")] + [
-        ("llm_request_stage_seconds_count", stage) for stage in ("media", "prompt", "first_token")
+    # The gateway's own stages and the LLM service's stages, one observation each for this chat.
+    for name, stage in [("gateway_request_stage_seconds_count", stage) for stage in ("prepare", "relay")] + [
+        ("llm_request_stage_seconds_count", stage) for stage in ("media", "prompt", "first_token", "stream")
     ]:
         assert _sample(after, name, stage=stage) == _sample(before, name, stage=stage) + 1, (name, stage)
     assert _sample(after, "gateway_completion_tokens_total", model="ft-a") >= 3
