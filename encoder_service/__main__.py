@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from encoder_service.allocator import retain_freed_memory
 from encoder_service.server import start_encoder_server
 from encoder_service.settings import EncoderSettings
+from shared import event_loop
 from shared.grpc_metrics import serve_metrics
 from shared.grpc_server import serve_until_signal
 from shared.logging_setup import configure_logging
@@ -27,4 +27,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    event_loop.run(main())

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 
 from llm_service.server import ENGINE_FAILURE_GRACE_S, start_llm_server
 from llm_service.settings import LLMSettings
+from shared import event_loop
 from shared.grpc_metrics import serve_metrics
 from shared.grpc_server import serve_until_signal
 from shared.logging_setup import configure_logging
@@ -29,4 +29,4 @@ async def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    sys.exit(event_loop.run(main()))

@@ -183,3 +183,17 @@ def test_sigterm_exits_as_soon_as_the_last_stream_ends_not_after_the_grace(stack
     assert exited_at - ended_at < 12, f"exited {exited_at - ended_at:.1f}s after its last stream ended"
     time.sleep(2)  # exit 0 is a stop someone asked for: the launcher leaves it down
     assert service.process is process
+
+
+def _loaded_libraries(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_every_service_runs_on_uvloop_and_the_gateway_parses_http_with_httptools(stack: ProcessStack) -> None:
+    """The services share their cores with the engines: their loop's CPU per message is taken from
+    decoding (shared/event_loop.py). asyncio.run, or uvicorn's silent fallback where uvloop or
+    httptools is missing, would not load these libraries."""
+    assert chat(stack, "ft-a", max_tokens=2).status_code == 200
+    for name, pid in stack.pids().items():
+        assert "uvloop/loop.cpython" in _loaded_libraries(pid), f"{name} does not run on uvloop"
+    assert "httptools/parser/parser.cpython" in _loaded_libraries(stack.pid("gateway"))
