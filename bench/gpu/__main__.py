@@ -80,7 +80,7 @@ class Run:
             "options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "machine": machine_info() | {"more_packages": _versions(MORE_PACKAGES)},
             "device": device_info(device),
-            "setup": {},
+            "part_seconds": {},
             "skipped": {},
             "errors": {},
         }
@@ -99,7 +99,7 @@ class Run:
             self.record["errors"][name] = traceback.format_exc()[-4000:]
             return None
         finally:
-            self.record["setup"][f"{name} s"] = round(time.monotonic() - started, 1)
+            self.record["part_seconds"][name] = round(time.monotonic() - started, 1)
             self.save()
 
     def save(self) -> None:

@@ -49,7 +49,8 @@ def _part(part: dict[str, Any]) -> list[str]:
 
 def markdown(run: dict[str, Any]) -> str:
     machine, device = run["machine"], run["device"]
-    packages = ", ".join(f"{k} {v}" for k, v in machine["packages"].items())
+    versions = machine["packages"] | machine.get("more_packages", {})
+    packages = ", ".join(f"{k} {v}" for k, v in versions.items())
     device_line = ", ".join(f"{k} {v}" for k, v in device.items())
     lines = [
         f"# GPU measurements ({device.get('name', device['device'])})",
@@ -61,7 +62,8 @@ def markdown(run: dict[str, Any]) -> str:
         f"{machine['python']}; {packages}.",
         "",
     ]
-    lines += [f"- setup: {name}: {_fmt(value)}" for name, value in run["setup"].items()] + [""]
+    times = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in run["part_seconds"].items())
+    lines += [f"Seconds per part: {times}.", ""]
     for part in run["parts"]:
         lines += _part(part)
     for name, reason in run["skipped"].items():

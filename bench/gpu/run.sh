@@ -15,7 +15,8 @@ wheelhouse="$repo/bench/gpu/wheelhouse"
 results="$repo/bench/gpu/results"
 out=${OUT:-$results}
 work=${WORK:-$(mktemp -d "${TMPDIR:-/tmp}/vlm-gpu-bench.XXXXXX")}
-# The measurements stop themselves before this (bench.gpu --budget-s); this only catches a hang.
+# The whole script's limit (the run tool allows 600 s): bench.gpu skips parts that would end
+# later than 30 s before it (--budget-s); the timeout only catches a hang.
 deadline_s=${DEADLINE_S:-570}
 started=$(date +%s)
 
@@ -76,9 +77,11 @@ export PATH="$wheelhouse/bin:$PATH" PYTHONPATH="$path_first$repo" PYTHONUNBUFFER
 cd "$repo"
 step "python -m bench.gpu --out $out --work $work $*"
 status=0
-timeout --kill-after=20 "$deadline_s" "$python" -m bench.gpu --out "$out" --work "$work" \
-    --budget-s $((deadline_s - 30 - $(date +%s) + started)) "$@" || status=$?
+left=$((deadline_s - $(date +%s) + started))
+timeout --kill-after=15 "$left" "$python" -m bench.gpu --out "$out" --work "$work" --budget-s $((left - 30)) "$@" \
+    || status=$?
 cp "$work/installed-from-wheelhouse.txt" "$out/" 2>/dev/null || true
+cp -r "$work/logs" "$out/" 2>/dev/null || true  # the encoder service's log
 if [ "$out" != "$results" ]; then
     mkdir -p "$results" && cp "$out"/*.json "$out"/*.md "$results/" 2>/dev/null || true
 fi
