@@ -20,6 +20,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from encoder_service.batch_invariant import make_batch_invariant
+from encoder_service.fast_tower import make_fast
 from encoder_service.pixels import resize_like_autoprocessor, target_size
 from encoder_service.resize import check_aspect_ratio
 from shared.blob import tokens_for_grid
@@ -50,8 +51,10 @@ def read_vision_state_dict(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
 class VisionEncoder:
     """Preprocesses PIL images and encodes batches of them into LM-space embeddings.
 
-    An image's embeddings are bit-identical whichever images share its batch, and equal to what the
-    unmodified tower gives for it alone (see batch_invariant.py): stored blobs are keyed by the image.
+    An image's embeddings are bit-identical whichever images share its batch (see
+    batch_invariant.py): stored blobs are keyed by the image. In float32 they equal what the
+    unmodified tower gives for it alone; a bfloat16 tower on a CPU without bfloat16 matmul kernels
+    multiplies in float32 (fast_tower.py), within bfloat16 rounding of the unmodified one.
     """
 
     def __init__(
@@ -61,7 +64,8 @@ class VisionEncoder:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
-        self.tower = make_batch_invariant(tower)
+        # make_fast first: make_batch_invariant runs the forwards it sets once per image.
+        self.tower = make_batch_invariant(make_fast(tower))
         self.processor = processor
         self.device = device
         self.dtype = dtype

@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from transformers import Qwen2VLForConditionalGeneration
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
+from encoder_service import fast_tower
 from encoder_service.batcher import MicroBatcher
 from encoder_service.server import build_core
 from encoder_service.settings import EncoderSettings
@@ -108,6 +110,45 @@ def test_batched_rows_equal_transformers_image_features_of_each_image_alone(
             assert rows.shape == (int(grid.prod()) // 4, encoders["float32"].hidden_size)
             assert torch.equal(rows, reference)
     assert not torch.allclose(batched[0][:4], batched[1][:4])
+
+
+@pytest.fixture(scope="module")
+def widened(checkpoints: dict[str, Path]) -> VisionEncoder:
+    """A bfloat16 encoder that multiplies in float32 (fast_tower.py) whatever kernels this CPU has."""
+    with mock.patch.object(fast_tower, "widens_bfloat16_products", return_value=True):
+        encoder = VisionEncoder.load(str(checkpoints["base"]), dtype=torch.bfloat16)
+    assert "forward" in vars(encoder.tower.blocks[0].mlp.fc1)  # only make_fast sets a linear layer's own
+    return encoder
+
+
+def test_widened_bfloat16_batches_are_bit_identical_to_singles(
+    widened: VisionEncoder, items: list[Preprocessed], threads: int
+) -> None:
+    """The float32 products run once per image too, in the tiny and in the 2B-shaped tower."""
+    _assert_batches_equal_singles(widened, items)
+    with mock.patch.object(fast_tower, "widens_bfloat16_products", return_value=True):
+        bench_shaped = _bench_shaped_encoder(widened, torch.bfloat16)
+    _assert_batches_equal_singles(bench_shaped, items)
+
+
+def test_widened_bfloat16_rows_are_as_close_to_float32_as_transformers_bfloat16(
+    widened: VisionEncoder,
+    encoders: dict[str, VisionEncoder],
+    items: list[Preprocessed],
+    checkpoints: dict[str, Path],
+) -> None:
+    """bfloat16 rows cannot equal transformers' bfloat16 ones (products summed in another order). They
+    must be no further from the float32 rows than transformers' bfloat16 forward is, and close to it:
+    measured 2 bfloat16 ulps at most apart (0.25 on values up to ~32), both ~0.055 from float32 on average."""
+    ours = widened.encode_batch(items)
+    exact = encoders["float32"].encode_batch(items)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(checkpoints["base"], dtype=torch.bfloat16).eval()
+    with torch.inference_mode():
+        for (pixel_values, grid), rows, truth in zip(items, ours, exact, strict=True):
+            (reference,) = model.model.get_image_features(pixel_values, grid).pooler_output
+            reference_error = (reference.float() - truth).abs()
+            assert (rows.float() - truth).abs().mean() <= 1.2 * reference_error.mean()
+            assert (rows.float() - reference.float()).abs().max() <= 2 * reference_error.max()
 
 
 # --- the micro-batcher, on the real tiny encoder ------------------------------------------
