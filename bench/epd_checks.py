@@ -166,9 +166,9 @@ def storage_left(storage: Path) -> str:
     """Called once every EPD process has exited: what the connector leaves behind."""
     files = list(storage.glob(f"*/{CACHE_FILE}"))
     size = sum(path.stat().st_size for path in files)
-    return (f"after every EPD process exited, {len(files)} files ({size / 2**20:.1f} MiB; {CHECK_FILES} of them the "
-            f"checks' forgeries) are still in {storage}: ECExampleConnector has no TTL, eviction or delete; the "
-            "benchmark removes the folder")  # fmt: skip
+    return (f"after every EPD process exited, {len(files)} files ({size / 2**20:.1f} MiB: the run's and the "
+            f"checks' {CHECK_FILES} forgeries) are still in {storage}: ECExampleConnector has no TTL, "
+            "eviction or delete; the benchmark removes the folder")  # fmt: skip
 
 
 def remove_storage(storage: Path) -> None:

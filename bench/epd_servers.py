@@ -12,6 +12,7 @@ environment (1 GiB KV cache, the encode-counting hook), as the other baselines d
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,25 @@ from scripts.stack import free_port
 
 ENCODER = "epd-encoder"
 CACHE_FILE = "encoder_cache.safetensors"
+# Start-up only. A compiled vLLM runs its vision tower at start on the largest batch of items it may
+# get (memory profiling), and an EC producer once more per modality to measure the encoder's output
+# width, by default on a video of the whole context (8,192 patches): with the 2B-shaped tower (bf16), four
+# single-threaded instances on two cores had not finished after seven minutes. Every instance skips
+# the profiling (`--skip-mm-profiling`, vLLM's documented shortcut: a CPU engine takes its memory
+# from VLLM_CPU_KVCACHE_SPACE anyway), and the producer is told what the workload sends, one image
+# per request and no video, so it measures the width on one image: a 448x448 one, the workload's
+# size, so that is the encoder instance's warm-up, as our encoder encodes one such image before it
+# serves.
+START_UP = ["--skip-mm-profiling"]
+PRODUCER_LIMITS = ["--limit-mm-per-prompt", json.dumps({"image": 1, "video": 0})]
+
+
+def all_cores() -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for every core this process may use. vLLM on CPU binds a worker's
+    OpenMP threads to all cores but one, kept for its scheduler (on 2 cores: threads on core 0), so
+    by default the encoder instance would encode on one core where our encoder uses every core. It
+    gets them all, as ours has; the consumers keep the default, as our LLM services' engines do."""
+    return ",".join(str(core) for core in sorted(os.sched_getaffinity(0)))
 
 
 @dataclass
@@ -68,10 +88,14 @@ def _start(
         "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(port),
         "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning",
         "--ec-transfer-config", ec_transfer_config(role, storage),
+        *START_UP, *(PRODUCER_LIMITS if role == "ec_producer" else []),
     ]  # fmt: skip
     if eager:
         argv.append("--enforce-eager")
-    return group.start(name, argv, vllm_env(group.log_dir / f"{name}.encodes"), weight_bytes, weights), port
+    env = vllm_env(group.log_dir / f"{name}.encodes")
+    if role == "ec_producer":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = all_cores()
+    return group.start(name, argv, env, weight_bytes, weights), port
 
 
 def start_epd(

@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from bench.client import LoadResult
 from bench.epd_checks import EVICTION, TOPICS, check_epd, remove_storage, storage_left
 from bench.epd_ours_checks import check_ours
 from bench.epd_proxy import run_epd_concurrent
-from bench.epd_servers import start_epd, stored_items
+from bench.epd_servers import all_cores, start_epd, stored_items
 from bench.our_stack import StackOptions, start_our_stack
 from bench.outcome import ScenarioResult, Target
 from bench.procs import ServiceGroup, memory_of
@@ -34,21 +37,29 @@ from bench.workload import QUESTIONS, make_images
 
 EPD = "EPD (vLLM encoder instance + a consumer per fine-tune)"
 NONCE_OFFSET = 5  # scenario 1 draws its images from nonce and nonce + 1; these must be new to our Redis
+SLOW_BF16 = (
+    "skipped: this CPU has no oneDNN bfloat16 matmul (no AVX-512 or AMX), so vLLM's bfloat16 vision tower "
+    "runs on torch's generic loop: EPD's encoder instance had not encoded its start-up image after five "
+    "minutes. Run it with --dtype float32 here."
+)
 
 
 def _measure_epd(
     stack: StackOptions, options: FanoutOptions, group: ServiceGroup, images: list[bytes], result: ScenarioResult,
     storage: Path,
 ) -> tuple[LoadResult, dict[str, str]]:  # fmt: skip
+    began = time.monotonic()
     epd = start_epd(group, options.base, options.finetunes, storage, stack.dtype,
                     eager=stack.eager, start_timeout_s=stack.start_timeout_s)  # fmt: skip
-    before = {name: encodes_counted(path) for name, path in epd.count_dirs.items()}
+    result.config["EPD startup_s"] = round(time.monotonic() - began, 1)
+    result.config["EPD encoder's cores"] = all_cores()  # its consumers: vLLM's default binding
+    before, stored = {name: encodes_counted(path) for name, path in epd.count_dirs.items()}, stored_items(storage)
     bodies = [body for _, body in fanout_requests(epd.routes.decode_urls, images)]
     load = asyncio.run(run_epd_concurrent(epd.routes, bodies))
     runs = {name: encodes_counted(path) - before[name] for name, path in epd.count_dirs.items()}
     result.rows[EPD] = load_row(load, sum(runs.values()))
-    result.notes.append(f"EPD vision-tower runs by process: {runs}; encoder outputs stored: {stored_items(storage)} "
-                        f"files in {storage}")  # fmt: skip
+    result.notes.append(f"EPD vision-tower runs by process: {runs}; encoder outputs stored during the run: "
+                        f"{stored_items(storage) - stored} files in {storage}")  # fmt: skip
     result.memory += [memory_of(service) for service in group.services]
     seen = asyncio.run(check_epd(epd, images[0]))
     return load, seen
@@ -63,8 +74,9 @@ def _run_epd(
         load, seen = _measure_epd(stack, options, group, images, result, storage)
     finally:
         group.close()
-    seen[EVICTION] = storage_left(storage)
-    remove_storage(storage)
+        left = storage_left(storage)
+        remove_storage(storage)  # tmpfs: RAM until removed
+    seen[EVICTION] = left
     if load.errors:
         result.notes.append(f"EPD: {len(load.errors)} failed requests, first: {load.errors[0]}")
     return seen
@@ -75,7 +87,9 @@ def _run_ours(
 ) -> dict[str, str]:
     group = ServiceGroup(log_dir / "s5-ours")
     try:
+        began = time.monotonic()
         ours = start_our_stack(group, stack, options.finetunes, options.base)
+        result.config["ours startup_s"] = round(time.monotonic() - began, 1)
         assert ours.encoder_target is not None
         urls = {name: f"{ours.base_url}/v1/chat/completions" for name in options.finetunes}
         load, counters = asyncio.run(ours_load(ours.encoder_target, urls, images))
@@ -99,6 +113,10 @@ def run(stack: StackOptions, options: FanoutOptions, log_dir: Path, nonce: int) 
               "image": "448x448 JPEG (256 tokens)", "order": "EPD, then ours",
               "EPD proxy": "in the load generator (bench/epd_proxy.py); each TTFT includes the encoder hop"}  # fmt: skip
     result = ScenarioResult("5", title, COLUMNS, {}, config=config)
+    if stack.dtype == "bfloat16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        result.title += " (SKIPPED)"
+        result.notes.append(SLOW_BF16)
+        return result
     seen: dict[str, dict[str, str]] = {topic: {} for topic in TOPICS}
     for system, run_system in (("EPD", _run_epd), ("ours", _run_ours)):
         try:
