@@ -90,6 +90,15 @@ def test_overlay_serves_every_finetune_behind_one_gateway(overlay: str) -> None:
     assert gateway_kinds >= {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler"}
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_namespaced_object_lands_in_the_namespace_the_targets_name(overlay: str) -> None:
+    """`kubectl apply -k` puts an object without metadata.namespace wherever the caller's context
+    points (usually `default`), while every target (routes, Redis URLs) names vlm."""
+    docs = rendered(DEPLOY / "overlays" / overlay)
+    placed = {(d["kind"], d["metadata"]["name"]): d["metadata"].get("namespace") for d in docs}
+    assert {key: ns for key, ns in placed.items() if key[0] != "Namespace" and ns != NS} == {}
+
+
 def test_dev_runs_on_cpus_with_tiny_checkpoints_and_in_cluster_redis() -> None:
     docs = rendered(DEPLOY / "overlays" / "dev")
     limits = [c.get("resources", {}).get("limits", {}) for w in workloads(docs) for c in containers(w)]
@@ -269,9 +278,11 @@ def _stack() -> list[Doc]:
            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "gateway"}, "minReplicas": 2,
                     "maxReplicas": 4, "metrics": [{"type": "Resource", "resource": {"name": "cpu", "target": cpu_target}}]}}  # fmt: skip
     workloads_ = [("encoder", encoder, 1), ("llm-ft-a", llm, 1), ("gateway", gateway, None), ("redis", redis, 1)]
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}
     return [doc for name, container, replicas in workloads_ for doc in _workload(name, container, replicas)] + [
         routing,
         hpa,
+        namespace,
     ]
 
 
@@ -329,6 +340,11 @@ CM_TOKEN = {"valueFrom": {"configMapKeyRef": {"name": "routing", "key": "t"}}}
 
 # (rule, text one of its findings must contain, how to break the small stack)
 BREAKAGES: list[tuple[str, str, Breakage]] = [
+    ("namespaces", "Service/redis: no metadata.namespace", lambda d: _by(d, "Service", "redis")["metadata"].pop("namespace")),
+    ("namespaces", "namespace 'default' is not one the overlay renders", lambda d: _by(d, "PodDisruptionBudget", "redis")["metadata"].update(namespace="default")),
+    ("store_targets", "no Service redis in namespace default", lambda d: _set_env(d, "encoder", "ENCODER_REDIS_URL", {"value": "redis://redis.default.svc.cluster.local:6379/0"})),
+    ("store_targets", "Service/redis has no port 6380", lambda d: _set_env(d, "llm-ft-a", "LLM_REDIS_URL", {"value": "redis://redis.vlm.svc.cluster.local:6380/0"})),
+    ("store_targets", "host 'redis' is not <service>.<namespace>", lambda d: _set_env(d, "llm-ft-a", "LLM_REDIS_URL", {"value": "redis://redis:6379/0"})),
     ("names", "not a DNS-1123 label", lambda d: _by(d, "Service", "encoder")["metadata"].update(name="Encoder_svc")),
     ("names", "set more than once", lambda d: _ctr(d, "encoder")["env"].append({"name": "ENCODER_PORT", "value": "1"})),
     ("names", "not an IANA service name", lambda d: _ctr(d, "redis")["ports"][0].update(name="redis-cache-port-x")),

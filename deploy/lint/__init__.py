@@ -2,7 +2,8 @@
 
 `kubernetes-validate --strict` checks each document's shape. These rules check the documents
 against each other and against how the services behave (README settings, DESIGN.md): names,
-selectors, Service and probe ports, the gateway's routing (wiring.py); quantities, GPUs, torch
+selectors, Service and probe ports, the gateway's routing (wiring.py); namespaces and Redis
+hosts (scope.py); quantities, GPUs, torch
 threads, secrets, shutdown timing, security context, service links, Redis and image tags (policy.py).
 
 Each rule takes every rendered document of one overlay and returns findings, one
@@ -29,14 +30,15 @@ from deploy.lint.policy import (
     termination,
     torch_threads,
 )
+from deploy.lint.scope import namespaces, store_targets
 from deploy.lint.wiring import names, probes, routing, selectors, service_targets
 
 Rule = Callable[[list[Doc]], list[str]]
 
 RULES: dict[str, Rule] = {
     rule.__name__: rule
-    for rule in (names, selectors, service_targets, routing, probes, quantities, gpus, torch_threads,
-                 no_inline_secrets, termination, security, service_links, redis, images)
+    for rule in (namespaces, names, selectors, service_targets, routing, store_targets, probes, quantities, gpus,
+                 torch_threads, no_inline_secrets, termination, security, service_links, redis, images)
 }  # fmt: skip
 
 
