@@ -253,15 +253,18 @@ def _stack() -> list[Doc]:
     """A small lint-clean stack: encoder, one LLM service on a GPU, gateway with HPA, Redis."""
     encoder = _server("encoder", ("grpc", 50051), {
         "ENCODER_CHECKPOINT": "/models/base", "ENCODER_PORT": "50051",
-        "ENCODER_REDIS_URL": REDIS_URL, "ENCODER_EMBEDDING_TTL_S": "86400"}, {"grpc": {"port": 50051}})  # fmt: skip
+        "ENCODER_REDIS_URL": REDIS_URL, "ENCODER_EMBEDDING_TTL_S": "86400", "ENCODER_GRACE_S": "20"}, {"grpc": {"port": 50051}})  # fmt: skip
     llm = _server("llm", ("grpc", 50061), {
         "LLM_MODEL_NAME": "ft-a", "LLM_CHECKPOINT": "/models/ft-a", "LLM_PORT": "50061", "LLM_DEVICE": "cuda",
-        "LLM_REDIS_URL": REDIS_URL, "LLM_EMBEDDING_TTL_S": "86400"}, {"grpc": {"port": 50061}})  # fmt: skip
+        "LLM_REDIS_URL": REDIS_URL, "LLM_EMBEDDING_TTL_S": "86400", "LLM_GRACE_S": "20"}, {"grpc": {"port": 50061}})  # fmt: skip
     for torch_server in (encoder, llm):  # threads = limits.cpu ("1")
         torch_server["env"] += [{"name": "OMP_NUM_THREADS", "value": "1"}, {"name": "MKL_NUM_THREADS", "value": "1"}]
     llm["resources"]["limits"]["nvidia.com/gpu"] = 1
     gateway = _server(
-        "gateway", ("http", 8000), {"GATEWAY_PORT": "8000"}, {"httpGet": {"path": "/livez", "port": "http"}}
+        "gateway",
+        ("http", 8000),
+        {"GATEWAY_PORT": "8000", "GATEWAY_REQUEST_TIMEOUT_S": "20"},
+        {"httpGet": {"path": "/livez", "port": "http"}},
     )
     gateway["env"] += [
         {"name": "GATEWAY_MODELS", "valueFrom": {"configMapKeyRef": {"name": "routing", "key": "models.json"}}},
@@ -279,7 +282,9 @@ def _stack() -> list[Doc]:
                     "maxReplicas": 4, "metrics": [{"type": "Resource", "resource": {"name": "cpu", "target": cpu_target}}]}}  # fmt: skip
     workloads_ = [("encoder", encoder, 1), ("llm-ft-a", llm, 1), ("gateway", gateway, None), ("redis", redis, 1)]
     namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}
-    return [doc for name, container, replicas in workloads_ for doc in _workload(name, container, replicas)] + [
+    docs = [doc for name, container, replicas in workloads_ for doc in _workload(name, container, replicas)]
+    _pod(docs, "gateway")["terminationGracePeriodSeconds"] = 60  # > preStop 5 + 2 phases of 20 s
+    return docs + [
         routing,
         hpa,
         namespace,
@@ -392,8 +397,11 @@ BREAKAGES: list[tuple[str, str, Breakage]] = [
     ("no_inline_secrets", "URL with credentials", lambda d: _set_env(d, "encoder", "ENCODER_REDIS_URL", {"value": "rediss://:pw@r:6380"})),
     ("no_inline_secrets", "credentials on the command line", lambda d: _ctr(d, "redis")["args"].extend(["--requirepass", "pw"])),
     ("no_inline_secrets", "key url holds a credential URL", lambda d: _data(d).update(url="redis://u:p@r:6379")),
-    ("termination", "12 <= preStop + drain (15s)", lambda d: _pod(d, "encoder").update(terminationGracePeriodSeconds=12)),
+    ("termination", "12 <= preStop + drain (25s)", lambda d: _pod(d, "encoder").update(terminationGracePeriodSeconds=12)),
     ("termination", "preStop + drain (65s) of llm", lambda d: _set_env(d, "llm-ft-a", "LLM_GRACE_S", {"value": "60"})),
+    ("termination", "drain 10s is below the gateway's deadline 20s", lambda d: _set_env(d, "llm-ft-a", "LLM_GRACE_S", {"value": "10"})),
+    ("termination", "encoder: drain 20s is below the gateway's deadline 120s", lambda d: _set_env(d, "gateway", "GATEWAY_REQUEST_TIMEOUT_S", {"value": "120"})),
+    ("termination", "60 <= preStop + drain (605s) of gateway", lambda d: _set_env(d, "gateway", "GATEWAY_REQUEST_TIMEOUT_S", None)),
     ("termination", "no preStop pause", lambda d: _ctr(d, "gateway").pop("lifecycle")),
     ("security", "runs as uid 0", lambda d: _sec(d, "encoder").update(runAsUser=0)),
     ("security", "runAsNonRoot is not true", lambda d: _pod(d, "gateway")["securityContext"].pop("runAsNonRoot")),
@@ -414,6 +422,33 @@ BREAKAGES: list[tuple[str, str, Breakage]] = [
 
 def test_the_small_stack_is_clean() -> None:
     assert lint(_stack()) == []
+
+
+def test_the_lint_knows_the_services_defaults() -> None:
+    """The termination rule reads a missing deadline or grace as the services' own defaults."""
+    from deploy.lint import rollout
+    from gateway.settings import GatewaySettings
+    from shared.settings import GrpcServerSettings
+
+    assert GatewaySettings.model_fields["request_timeout_s"].default == rollout.DEFAULT_DEADLINE_S
+    assert GrpcServerSettings.model_fields["grace_s"].default == rollout.DEFAULT_GRACE_S
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_rollout_lets_a_stream_run_to_the_gateway_deadline(overlay: str) -> None:
+    """Every LLM pod drains for the whole deadline, and every pod's grace outlasts preStop + drain."""
+    docs = rendered(DEPLOY / "overlays" / overlay)
+    deadline = float(env(containers(_by(docs, "Deployment", "gateway"))[0])["GATEWAY_REQUEST_TIMEOUT_S"]["value"])
+    for name in ("encoder", *(f"llm-{f}" for f in FINETUNES)):
+        pod = _by(docs, "Deployment", name)["spec"]["template"]["spec"]
+        grace = next(float(e["value"]) for e in pod["containers"][0]["env"] if e["name"].endswith("_GRACE_S"))
+        assert grace >= deadline
+        assert (
+            pod["terminationGracePeriodSeconds"]
+            > pod["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"] + grace
+        )
+    gateway = _by(docs, "Deployment", "gateway")["spec"]["template"]["spec"]
+    assert gateway["terminationGracePeriodSeconds"] > 5 + 2 * deadline
 
 
 def test_every_rule_has_a_breaking_case() -> None:

@@ -3,8 +3,8 @@
 `kubernetes-validate --strict` checks each document's shape. These rules check the documents
 against each other and against how the services behave (README settings, DESIGN.md): names,
 selectors, Service and probe ports, the gateway's routing (wiring.py); namespaces and Redis
-hosts (scope.py); quantities, GPUs, torch
-threads, secrets, shutdown timing, security context, service links, Redis and image tags (policy.py).
+hosts (scope.py); shutdown timing against the gateway's deadline (rollout.py); quantities, GPUs, torch
+threads, secrets, security context, service links, Redis and image tags (policy.py).
 
 Each rule takes every rendered document of one overlay and returns findings, one
 "Kind/name: problem" string each; no findings means clean.
@@ -27,9 +27,9 @@ from deploy.lint.policy import (
     redis,
     security,
     service_links,
-    termination,
     torch_threads,
 )
+from deploy.lint.rollout import termination
 from deploy.lint.scope import namespaces, store_targets
 from deploy.lint.wiring import names, probes, routing, selectors, service_targets
 

@@ -1,5 +1,5 @@
-"""Rules on each workload's own settings: resources, GPUs, torch threads, secrets, shutdown
-timing, security context, service links, Redis and image tags."""
+"""Rules on each workload's own settings: resources, GPUs, torch threads, secrets, security
+context, service links, Redis and image tags."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from deploy.lint.manifests import (
     workloads,
 )
 
-DEFAULT_GRACE_S = 10.0  # *_GRACE_S default of both gRPC services (README)
 GRPC_SERVER_PREFIXES = ("ENCODER_", "LLM_")
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # torch's intra-op pools (OpenMP, MKL)
 SECRET_ENV = re.compile(r"TOKEN|PASSWORD|PASSWD|SECRET|API_KEY|CREDENTIAL|PRIVATE_KEY", re.IGNORECASE)
@@ -144,42 +143,6 @@ def no_inline_secrets(docs: list[Doc]) -> list[str]:
             if any(CREDENTIAL_URL.search(a) or a.lstrip("-").lower() in ("requirepass", "masterauth") for a in words):
                 found.append(f"{where}: credentials on the command line")
     return found
-
-
-def termination(docs: list[Doc]) -> list[str]:
-    """Serving containers pause in preStop, and the grace period outlasts pause + drain."""
-    found = []
-    for w in workloads(docs):
-        grace_period = pod_spec(w).get("terminationGracePeriodSeconds", 30)
-        for c in containers(w, init=False):
-            if not c.get("ports"):
-                continue
-            pre_stop = c.get("lifecycle", {}).get("preStop")
-            if not pre_stop:
-                found.append(f"{ident(w)}/{c['name']}: serves ports but has no preStop pause")
-                continue
-            needed = _pre_stop_seconds(pre_stop) + _drain_seconds(c)
-            if grace_period <= needed:
-                found.append(
-                    f"{ident(w)}: terminationGracePeriodSeconds {grace_period} <= preStop + drain ({needed:g}s) of {c['name']}"
-                )
-    return found
-
-
-def _pre_stop_seconds(pre_stop: Doc) -> float:
-    if "sleep" in pre_stop:
-        return float(pre_stop["sleep"]["seconds"])
-    command = " ".join(pre_stop.get("exec", {}).get("command", []))
-    match = re.search(r"\bsleep\s+(\d+(?:\.\d+)?)", command)
-    return float(match.group(1)) if match else 0.0
-
-
-def _drain_seconds(container: Doc) -> float:
-    values = env(container)
-    graces = [float(e["value"]) for n, e in values.items() if n.endswith("_GRACE_S") and "value" in e]
-    if graces:
-        return max(graces)
-    return DEFAULT_GRACE_S if any(n.startswith(GRPC_SERVER_PREFIXES) for n in values) else 0.0
 
 
 def security(docs: list[Doc]) -> list[str]:
