@@ -1,4 +1,10 @@
-"""Prometheus metrics of every gRPC call a server handles, and the /metrics HTTP endpoint."""
+"""Prometheus metrics of every gRPC call a server handles, and the /metrics HTTP endpoint.
+
+Labels follow go-grpc-prometheus, which gRPC dashboards and alerts are written against:
+`grpc_service` (llm.v1.LLMService), `grpc_type` (unary, server_stream, ...) and `grpc_code`.
+`grpc_method` keeps the full path (/llm.v1.LLMService/Generate) it has always had here, so existing
+queries still match; group by `grpc_service` for the per-service view.
+"""
 
 from __future__ import annotations
 
@@ -12,17 +18,30 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from shared.grpc_wrap import StreamBehavior, UnaryBehavior, rewrap
 
-RPC_HANDLED = Counter(
-    "grpc_server_handled_total", "RPCs completed, by method and status code.", ["grpc_method", "grpc_code"]
-)
+_CALL = ["grpc_service", "grpc_method", "grpc_type"]
+RPC_HANDLED = Counter("grpc_server_handled_total", "RPCs completed, by method and status code.", [*_CALL, "grpc_code"])
 RPC_SECONDS = Histogram(
-    "grpc_server_handling_seconds", "Time from call start to its last message, by method.", ["grpc_method"],
+    "grpc_server_handling_seconds", "Time from call start to its last message, by method.", _CALL,
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )  # fmt: skip
-RPC_IN_FLIGHT = Gauge("grpc_server_in_flight", "RPCs being served now, by method.", ["grpc_method"])
+RPC_IN_FLIGHT = Gauge("grpc_server_in_flight", "RPCs being served now, by method.", _CALL)
 
 
-def _code(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
+def rpc_type(handler: grpc.RpcMethodHandler) -> str:
+    """go-grpc-prometheus's name for the handler's kind of call."""
+    if handler.request_streaming:
+        return "bidi_stream" if handler.response_streaming else "client_stream"
+    return "server_stream" if handler.response_streaming else "unary"
+
+
+def call_labels(method: str, handler: grpc.RpcMethodHandler) -> tuple[str, str, str]:
+    """(grpc_service, grpc_method, grpc_type) of a call to `method` ("/package.Service/Method")."""
+    service = method.lstrip("/").rpartition("/")[0]
+    return service, method, rpc_type(handler)
+
+
+def status_name(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
+    """The call's final status code name, as its client sees it."""
     code = context.code()
     if isinstance(code, grpc.StatusCode):
         return code.name
@@ -34,17 +53,17 @@ def _code(context: grpc.aio.ServicerContext, error: BaseException | None) -> str
 
 
 class _Observed:
-    def __init__(self, method: str, context: grpc.aio.ServicerContext) -> None:
-        self.method, self.context = method, context
+    def __init__(self, labels: tuple[str, str, str], context: grpc.aio.ServicerContext) -> None:
+        self.labels, self.context = labels, context
 
     def __enter__(self) -> None:
         self.started = time.perf_counter()
-        RPC_IN_FLIGHT.labels(self.method).inc()
+        RPC_IN_FLIGHT.labels(*self.labels).inc()
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
-        RPC_IN_FLIGHT.labels(self.method).dec()
-        RPC_SECONDS.labels(self.method).observe(time.perf_counter() - self.started)
-        RPC_HANDLED.labels(self.method, _code(self.context, error)).inc()
+        RPC_IN_FLIGHT.labels(*self.labels).dec()
+        RPC_SECONDS.labels(*self.labels).observe(time.perf_counter() - self.started)
+        RPC_HANDLED.labels(*self.labels, status_name(self.context, error)).inc()
 
 
 class MetricsInterceptor(grpc.aio.ServerInterceptor):
@@ -52,25 +71,28 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        method = handler_call_details.method
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        labels = call_labels(handler_call_details.method, handler)
 
         def wrap_unary(behavior: UnaryBehavior) -> UnaryBehavior:
             async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                with _Observed(method, context):
+                with _Observed(labels, context):
                     return await behavior(request, context)
 
             return wrapper
 
         def wrap_stream(behavior: StreamBehavior) -> StreamBehavior:
             async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                with _Observed(method, context):
+                with _Observed(labels, context):
                     async for item in behavior(request, context):
                         yield item
 
             return wrapper
 
-        return rewrap(await continuation(handler_call_details), wrap_unary, wrap_stream)
+        return rewrap(handler, wrap_unary, wrap_stream)
 
 
 def serve_metrics(port: int) -> None:

@@ -9,12 +9,13 @@ failure is reported in about `op_timeout_s` instead of redis-py's ~4.6 s default
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import redis.asyncio as aioredis
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
@@ -28,6 +29,12 @@ from shared.redis_urls import RedisTarget, parse_redis_url
 
 T = TypeVar("T")
 REDIS_ERRORS = Counter("redis_errors_total", "Redis operations that failed (after retries), by error type.", ["error"])
+# Every round trip of every service, by command: the LLM service's GET/MGET (also in
+# llm_blob_fetch_seconds), the encoder's GETEX and SET, pings. Failed ones count too.
+REDIS_SECONDS = Histogram(
+    "redis_operation_seconds", "Time of one Redis operation, retries included, by command.", ["operation"],
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)  # fmt: skip
 # Redis refuses values over 512 MB; we say so before sending them.
 REDIS_MAX_VALUE_BYTES = 512 * 1024 * 1024
 
@@ -50,27 +57,30 @@ class EmbeddingStore:
         self.target = parse_redis_url(config.url)
         self._redis = _connect(self.target, config)
 
-    async def _call(self, operation: Awaitable[T]) -> T:
+    async def _call(self, command: str, operation: Awaitable[T]) -> T:
+        started = time.perf_counter()
         try:
             async with asyncio.timeout(self.config.op_timeout_s):
                 return await operation
         except (RedisError, OSError, TimeoutError) as error:
             REDIS_ERRORS.labels(type(error).__name__).inc()
             raise Unavailable(f"embedding store (Redis) is unavailable: {type(error).__name__}") from error
+        finally:
+            REDIS_SECONDS.labels(command).observe(time.perf_counter() - started)
 
     async def get_many(self, keys: list[str]) -> list[bytes | None]:
         """Blobs for several keys in one round trip (per cluster slot); None where a key is missing."""
         if not keys:
             return []
         if len(keys) == 1:  # the common case (one image): GET saves MGET's list handling (~0.01 ms)
-            return [await self._call(_bytes_or_none(self._redis.get(keys[0])))]
+            return [await self._call("GET", _bytes_or_none(self._redis.get(keys[0])))]
         if isinstance(self._redis, RedisCluster):  # one MGET per hash slot, as a cluster requires
-            return await self._call(_list_of_bytes(self._redis.mget_nonatomic(keys)))
-        return await self._call(_list_of_bytes(self._redis.mget(keys)))
+            return await self._call("MGET", _list_of_bytes(self._redis.mget_nonatomic(keys)))
+        return await self._call("MGET", _list_of_bytes(self._redis.mget(keys)))
 
     async def get_and_touch(self, key: str) -> bytes | None:
         """The blob under `key`, refreshing its TTL (GETEX), or None."""
-        return await self._call(_bytes_or_none(self._redis.getex(key, ex=self.config.ttl_s)))
+        return await self._call("GETEX", _bytes_or_none(self._redis.getex(key, ex=self.config.ttl_s)))
 
     async def put(self, key: str, data: bytes) -> None:
         """Stores a blob with the configured TTL."""
@@ -78,15 +88,15 @@ class EmbeddingStore:
             raise TooLarge(
                 f"embedding blob of {len(data)} bytes exceeds the store's limit of {self.config.max_value_bytes}"
             )
-        await self._call(self._redis.set(key, data, ex=self.config.ttl_s))
+        await self._call("SET", self._redis.set(key, data, ex=self.config.ttl_s))
 
     async def delete(self, key: str) -> None:
-        await self._call(self._redis.delete(key))
+        await self._call("DEL", self._redis.delete(key))
 
     async def ping(self) -> bool:
         """True when Redis answers now."""
         try:
-            return bool(await self._call(self._redis.ping()))
+            return bool(await self._call("PING", self._redis.ping()))
         except Unavailable:
             return False
 

@@ -42,7 +42,12 @@ def test_metrics_count_requests_encodes_and_rpcs(stack: Stack, openai_client: Op
         == _sample(before, "gateway_http_requests_total", **route) + 1
     )
     assert _sample(after, "encoder_images_encoded_total") == _sample(before, "encoder_images_encoded_total") + 1
-    generate = {"grpc_method": "/llm.v1.LLMService/Generate", "grpc_code": "OK"}
+    generate = {
+        "grpc_service": "llm.v1.LLMService",
+        "grpc_method": "/llm.v1.LLMService/Generate",
+        "grpc_type": "server_stream",
+        "grpc_code": "OK",
+    }
     assert (
         _sample(after, "grpc_server_handled_total", **generate)
         >= _sample(before, "grpc_server_handled_total", **generate) + 1
