@@ -110,11 +110,13 @@ def test_dev_runs_on_cpus_with_tiny_checkpoints_and_in_cluster_redis() -> None:
     llm = env(containers(_by(docs, "Deployment", "llm-ft-a"), init=False)[0])
     settings = [llm[f"LLM_{name}"]["value"] for name in ("ENGINE", "DTYPE", "DEVICE")]
     assert settings == ["transformers", "float32", "cpu"]
-    assert llm["LLM_REDIS_URL"]["value"] == "redis://redis.vlm.svc.cluster.local:6379/0"
-    redis_args = containers(_by(docs, "Deployment", "redis"))[0]["args"]
-    assert redis_args[:6] == ["--maxmemory", "384mb", "--maxmemory-policy", "allkeys-lru", "--save", ""]
-    # Dev needs no Secret: every reference is optional, and none is inlined.
-    assert all(ref.get("optional") is True for ref in _secret_refs(docs))
+    assert llm["LLM_REDIS_URL"]["value"] == "redis://:$(REDIS_PASSWORD)@redis.vlm.svc.cluster.local:6379/0"
+    redis_container = containers(_by(docs, "Deployment", "redis"))[0]
+    assert redis_container["args"][:6] == ["--maxmemory", "384mb", "--maxmemory-policy", "allkeys-lru", "--save", ""]
+    assert "--protected-mode" not in redis_container["args"]
+    # Dev's one Secret is Redis's password (created out of band); the other references are optional.
+    required = [ref for ref in _secret_refs(docs) if not ref.get("optional")]
+    assert required and all(ref == {"name": "vlm-redis-password", "key": "password"} for ref in required)
     assert not [d for d in docs if d["kind"] == "Secret"]
 
 
@@ -193,6 +195,9 @@ def test_quantities_parse_like_kubernetes() -> None:
 
 NS = "vlm"
 REDIS_URL = "redis://redis.vlm.svc.cluster.local:6379/0"
+# The password comes from a Secret through an env var defined above the URL (dev's form).
+REDIS_PASSWORD = {"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "redis", "key": "password"}}}
+PASSWORD_URL = "redis://:$(REDIS_PASSWORD)@redis.vlm.svc.cluster.local:6379/0"
 
 
 def _liveness(probe: Doc) -> Doc:
@@ -257,6 +262,8 @@ def _stack() -> list[Doc]:
     llm = _server("llm", ("grpc", 50061), {
         "LLM_MODEL_NAME": "ft-a", "LLM_CHECKPOINT": "/models/ft-a", "LLM_PORT": "50061", "LLM_DEVICE": "cuda",
         "LLM_REDIS_URL": REDIS_URL, "LLM_EMBEDDING_TTL_S": "86400", "LLM_GRACE_S": "20"}, {"grpc": {"port": 50061}})  # fmt: skip
+    encoder["env"] = [REDIS_PASSWORD] + [e for e in encoder["env"] if e["name"] != "ENCODER_REDIS_URL"]
+    encoder["env"].append({"name": "ENCODER_REDIS_URL", "value": PASSWORD_URL})
     for torch_server in (encoder, llm):  # threads = limits.cpu ("1")
         torch_server["env"] += [{"name": "OMP_NUM_THREADS", "value": "1"}, {"name": "MKL_NUM_THREADS", "value": "1"}]
     llm["resources"]["limits"]["nvidia.com/gpu"] = 1
@@ -395,6 +402,10 @@ BREAKAGES: list[tuple[str, str, Breakage]] = [
     ("no_inline_secrets", "GATEWAY_API_KEYS must come from", lambda d: _set_env(d, "gateway", "GATEWAY_API_KEYS", {"value": "[]"})),
     ("no_inline_secrets", "LLM_GRPC_TOKEN must come from a secretKeyRef", lambda d: _set_env(d, "llm-ft-a", "LLM_GRPC_TOKEN", CM_TOKEN)),
     ("no_inline_secrets", "URL with credentials", lambda d: _set_env(d, "encoder", "ENCODER_REDIS_URL", {"value": "rediss://:pw@r:6380"})),
+    ("no_inline_secrets", "ENCODER_REDIS_URL holds a URL with credentials", lambda d: _set_env(d, "encoder", "REDIS_PASSWORD", CM_TOKEN)),
+    ("env_references", "ENCODER_REDIS_URL refers to $(REDIS_PASSWORD), not defined above it", lambda d: _ctr(d, "encoder")["env"].reverse()),
+    ("env_references", "LLM_REDIS_URL refers to $(REDIS_PASSWORD)", lambda d: _set_env(d, "llm-ft-a", "LLM_REDIS_URL", {"value": PASSWORD_URL})),
+    ("env_references", "command refers to $(TOKEN)", lambda d: _ctr(d, "redis")["args"].extend(["--user", "$(TOKEN)"])),
     ("no_inline_secrets", "credentials on the command line", lambda d: _ctr(d, "redis")["args"].extend(["--requirepass", "pw"])),
     ("no_inline_secrets", "key url holds a credential URL", lambda d: _data(d).update(url="redis://u:p@r:6379")),
     ("termination", "12 <= preStop + drain (25s)", lambda d: _pod(d, "encoder").update(terminationGracePeriodSeconds=12)),

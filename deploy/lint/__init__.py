@@ -30,15 +30,16 @@ from deploy.lint.policy import (
     torch_threads,
 )
 from deploy.lint.rollout import termination
-from deploy.lint.scope import namespaces, store_targets
+from deploy.lint.scope import env_references, namespaces, store_targets
 from deploy.lint.wiring import names, probes, routing, selectors, service_targets
 
 Rule = Callable[[list[Doc]], list[str]]
 
 RULES: dict[str, Rule] = {
     rule.__name__: rule
-    for rule in (namespaces, names, selectors, service_targets, routing, store_targets, probes, quantities, gpus,
-                 torch_threads, no_inline_secrets, termination, security, service_links, redis, images)
+    for rule in (namespaces, names, selectors, service_targets, routing, store_targets, env_references, probes,
+                 quantities, gpus, torch_threads, no_inline_secrets, termination, security, service_links, redis,
+                 images)
 }  # fmt: skip
 
 

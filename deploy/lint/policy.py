@@ -21,7 +21,9 @@ from deploy.lint.manifests import (
 GRPC_SERVER_PREFIXES = ("ENCODER_", "LLM_")
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # torch's intra-op pools (OpenMP, MKL)
 SECRET_ENV = re.compile(r"TOKEN|PASSWORD|PASSWD|SECRET|API_KEY|CREDENTIAL|PRIVATE_KEY", re.IGNORECASE)
-CREDENTIAL_URL = re.compile(r"://[^/\s:@]*:[^/\s@]+@")
+CREDENTIAL_URL = re.compile(r"://[^/\s:@]*:([^/\s@]+)@")
+# A password written as $(NAME): the kubelet puts in the value of env NAME, which may be a secretKeyRef.
+ENV_REFERENCE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 REDIS_UNITS = {"": 1, "k": 1000, "kb": 1024, "m": 10**6, "mb": 2**20, "g": 10**9, "gb": 2**30}
 
 
@@ -125,7 +127,7 @@ def torch_threads(docs: list[Doc]) -> list[str]:
 
 def no_inline_secrets(docs: list[Doc]) -> list[str]:
     """No Secret carries data, secret-named env vars come from secretKeyRef, no credentials in
-    URLs, arguments or ConfigMaps."""
+    URLs, arguments or ConfigMaps (a URL's password may be $(NAME) of a secretKeyRef env var)."""
     inline = [s for s in of_kind(docs, "Secret") if s.get("data") or s.get("stringData")]
     found = [f"{ident(s)}: carries data inline; reference a Secret created out of band" for s in inline]
     for cm in of_kind(docs, "ConfigMap"):
@@ -137,12 +139,19 @@ def no_inline_secrets(docs: list[Doc]) -> list[str]:
             for name, entry in env(c).items():
                 if SECRET_ENV.search(name) and "secretKeyRef" not in entry.get("valueFrom", {}):
                     found.append(f"{where}: {name} must come from a secretKeyRef")
-                if CREDENTIAL_URL.search(str(entry.get("value", ""))):
+                url = CREDENTIAL_URL.search(str(entry.get("value", "")))
+                if url and not _from_secret(c, url.group(1)):
                     found.append(f"{where}: {name} holds a URL with credentials")
             words = [str(a) for a in (*c.get("command", []), *c.get("args", []))]
             if any(CREDENTIAL_URL.search(a) or a.lstrip("-").lower() in ("requirepass", "masterauth") for a in words):
                 found.append(f"{where}: credentials on the command line")
     return found
+
+
+def _from_secret(container: Doc, password: str) -> bool:
+    reference = ENV_REFERENCE.fullmatch(password)
+    entry = env(container).get(reference.group(1), {}) if reference else {}
+    return "secretKeyRef" in entry.get("valueFrom", {})
 
 
 def security(docs: list[Doc]) -> list[str]:

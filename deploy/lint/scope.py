@@ -1,6 +1,7 @@
 """Rules on where objects land and what the configuration points at: every namespaced object
-names a namespace the overlay renders, and every Redis host in the settings is a Service the
-overlay renders, on one of its ports (the gRPC targets are the routing rule's)."""
+names a namespace the overlay renders, env references resolve, and every Redis host in the
+settings is a Service the overlay renders, on one of its ports (the gRPC targets are the
+routing rule's)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,24 @@ def namespaces(docs: list[Doc]) -> list[str]:
             found.append(f"{ident(doc)}: no metadata.namespace; `kubectl apply -k` would put it in `default`")
         elif rendered and ns not in rendered:
             found.append(f"{ident(doc)}: namespace {ns!r} is not one the overlay renders ({sorted(rendered)})")
+    return found
+
+
+def env_references(docs: list[Doc]) -> list[str]:
+    """A $(NAME) in an env value names an env var defined above it in the same container, and one
+    in command or args an env var of the container: otherwise the kubelet leaves the text as is
+    (a Redis URL whose password is literally "$(REDIS_PASSWORD)")."""
+    found = []
+    for w in workloads(docs):
+        for c in containers(w):
+            where, defined = f"{ident(w)}/{c['name']}", []
+            for entry in c.get("env", []):
+                missing = [n for n in ENV_REFERENCE.findall(str(entry.get("value", ""))) if n not in defined]
+                found += [f"{where}: {entry['name']} refers to $({n}), not defined above it" for n in missing]
+                defined.append(entry["name"])
+            words = " ".join(str(a) for a in (*c.get("command", []), *c.get("args", [])))
+            found += [f"{where}: command refers to $({n}), not an env var" for n in ENV_REFERENCE.findall(words)
+                      if n not in defined]  # fmt: skip
     return found
 
 
