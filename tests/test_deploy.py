@@ -194,6 +194,8 @@ def test_quantities_parse_like_kubernetes() -> None:
 
 
 NS = "vlm"
+COMPONENT = "app.kubernetes.io/component"  # what the NetworkPolicies select on
+COMPONENTS = {"encoder": "encoder", "llm-ft-a": "llm", "gateway": "gateway", "redis": "cache"}
 REDIS_URL = "redis://redis.vlm.svc.cluster.local:6379/0"
 # The password comes from a Secret through an env var defined above the URL (dev's form).
 REDIS_PASSWORD = {"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "redis", "key": "password"}}}
@@ -235,7 +237,7 @@ def _workload(name: str, container: Doc, replicas: int | None = 1) -> list[Doc]:
     }
     spec = {
         "selector": {"matchLabels": {"app": name}},
-        "template": {"metadata": {"labels": {"app": name}}, "spec": pod},
+        "template": {"metadata": {"labels": {"app": name, COMPONENT: COMPONENTS[name]}}, "spec": pod},
     }
     if replicas:
         spec["replicas"] = replicas
@@ -289,13 +291,38 @@ def _stack() -> list[Doc]:
                     "maxReplicas": 4, "metrics": [{"type": "Resource", "resource": {"name": "cpu", "target": cpu_target}}]}}  # fmt: skip
     workloads_ = [("encoder", encoder, 1), ("llm-ft-a", llm, 1), ("gateway", gateway, None), ("redis", redis, 1)]
     namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}
+    encoder["ports"].append({"name": "metrics", "containerPort": 9090})
     docs = [doc for name, container, replicas in workloads_ for doc in _workload(name, container, replicas)]
+    _by(docs, "Deployment", "encoder")["spec"]["template"]["metadata"]["annotations"] = {"prometheus.io/port": "9090"}
+    docs += _policies()
     _pod(docs, "gateway")["terminationGracePeriodSeconds"] = 60  # > preStop 5 + 2 phases of 20 s
     return docs + [
         routing,
         hpa,
         namespace,
     ]
+
+
+def _policies() -> list[Doc]:
+    """The base's NetworkPolicies and dev's Redis ones, as written, in namespace vlm."""
+    yaml = pytest.importorskip("yaml", reason="PyYAML reads the NetworkPolicies")
+    files = (DEPLOY / "base" / "network-policies.yaml", DEPLOY / "overlays" / "dev" / "network-policies.yaml")
+    docs = [doc for path in files for doc in yaml.safe_load_all(path.read_text()) if doc]
+    for doc in docs:
+        doc["metadata"]["namespace"] = NS
+    return docs
+
+
+def _policy(docs: list[Doc], name: str) -> Doc:
+    return _by(docs, "NetworkPolicy", name)
+
+
+def _drop(docs: list[Doc], name: str) -> None:
+    docs.remove(_policy(docs, name))
+
+
+def _excepts(docs: list[Doc]) -> list[str]:
+    return _policy(docs, "encoder-public-egress")["spec"]["egress"][0]["to"][0]["ipBlock"]["except"]
 
 
 def _pod(docs: list[Doc], name: str) -> Doc:
@@ -426,6 +453,19 @@ BREAKAGES: list[tuple[str, str, Breakage]] = [
     ("redis", "no positive --maxmemory", lambda d: _redis_args(d, "--maxmemory-policy", "allkeys-lru")),
     ("redis", "is not below the memory limit", lambda d: _redis_args(d, "--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru")),
     ("redis", "without a positive ENCODER_EMBEDDING_TTL_S", lambda d: _set_env(d, "encoder", "ENCODER_EMBEDDING_TTL_S", None)),
+    ("network_policies", "no default-deny NetworkPolicy", lambda d: _drop(d, "default-deny")),
+    ("network_policies", "Deployment/redis -> kube-dns:53/UDP (DNS) is not allowed", lambda d: _drop(d, "dns")),
+    ("network_policies", "Deployment/gateway -> Deployment/encoder:50051/TCP (GATEWAY_ENCODER_TARGET) is not allowed", lambda d: _drop(d, "grpc-from-gateway")),
+    ("network_policies", "Deployment/gateway -> Deployment/llm-ft-a:50061/TCP (GATEWAY_MODELS)", lambda d: _policy(d, "gateway")["spec"]["egress"].pop()),
+    ("network_policies", "Deployment/llm-ft-a -> Deployment/redis:6379/TCP (LLM_REDIS_URL)", lambda d: _drop(d, "redis")),
+    ("network_policies", "prometheus -> Deployment/encoder:9090/TCP (metrics)", lambda d: _drop(d, "prometheus")),
+    ("network_policies", "does not except 169.254.0.0/16", lambda d: _excepts(d).remove("169.254.0.0/16")),
+    ("network_policies", "encoder: can reach the non-public address 169.254.169.254:80", lambda d: _excepts(d).remove("169.254.0.0/16")),
+    ("network_policies", "does not except 100.200.0.0/16", lambda d: _policy(d, "encoder-public-egress")["metadata"]["annotations"].update({"vlm-encode-once/cluster-cidrs": "100.200.0.0/16"})),
+    ("network_policies", "Deployment/encoder: cannot reach the public address 203.0.113.7:443", lambda d: _drop(d, "encoder-public-egress")),
+    ("network_policies", "Deployment/gateway: can reach the public address 203.0.113.7:443", lambda d: _policy(d, "gateway")["spec"]["egress"].append({})),
+    ("network_policies", "Deployment/llm-ft-a: a pod of namespace elsewhere can open port grpc", lambda d: _policy(d, "grpc-from-gateway")["spec"]["ingress"][0].pop("from")),
+    ("network_policies", "Deployment/redis: a pod of namespace elsewhere can open port redis", lambda d: _policy(d, "redis")["spec"].update(ingress=[{}])),
     ("images", "'example/encoder' has no pinned tag", lambda d: _ctr(d, "encoder").update(image="example/encoder")),
     ("images", "'registry:5000/gw:latest' has no pinned tag", lambda d: _ctr(d, "gateway").update(image="registry:5000/gw:latest")),
 ]  # fmt: skip

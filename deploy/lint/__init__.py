@@ -3,7 +3,8 @@
 `kubernetes-validate --strict` checks each document's shape. These rules check the documents
 against each other and against how the services behave (README settings, DESIGN.md): names,
 selectors, Service and probe ports, the gateway's routing (wiring.py); namespaces and Redis
-hosts (scope.py); shutdown timing against the gateway's deadline (rollout.py); quantities, GPUs, torch
+hosts (scope.py); shutdown timing against the gateway's deadline (rollout.py); NetworkPolicies against the
+flows the settings imply (isolation.py, evaluated by network.py); quantities, GPUs, torch
 threads, secrets, security context, service links, Redis and image tags (policy.py).
 
 Each rule takes every rendered document of one overlay and returns findings, one
@@ -18,6 +19,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+from deploy.lint.isolation import network_policies
 from deploy.lint.manifests import Doc
 from deploy.lint.policy import (
     gpus,
@@ -39,7 +41,7 @@ RULES: dict[str, Rule] = {
     rule.__name__: rule
     for rule in (namespaces, names, selectors, service_targets, routing, store_targets, env_references, probes,
                  quantities, gpus, torch_threads, no_inline_secrets, termination, security, service_links, redis,
-                 images)
+                 images, network_policies)
 }  # fmt: skip
 
 

@@ -126,8 +126,8 @@ def routing(docs: list[Doc]) -> list[str]:
     found = []
     for w in workloads(docs):
         for c in containers(w, init=False):
-            models, err = _setting(docs, w, c, "GATEWAY_MODELS")
-            encoder, err2 = _setting(docs, w, c, "GATEWAY_ENCODER_TARGET")
+            models, err = env_setting(docs, w, c, "GATEWAY_MODELS")
+            encoder, err2 = env_setting(docs, w, c, "GATEWAY_ENCODER_TARGET")
             found += [f"{ident(w)}: {e}" for e in (err, err2) if e]
             if models is not None:
                 found += _model_routes(docs, w, models)
@@ -136,7 +136,7 @@ def routing(docs: list[Doc]) -> list[str]:
     return found
 
 
-def _setting(docs: list[Doc], w: Doc, c: Doc, name: str) -> tuple[str | None, str | None]:
+def env_setting(docs: list[Doc], w: Doc, c: Doc, name: str) -> tuple[str | None, str | None]:
     """An env var's value, following configMapKeyRef: (value, problem)."""
     entry = env(c).get(name)
     if entry is None:
