@@ -131,10 +131,23 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz(request: Request) -> JSONResponse:
-        """Readiness: the encoder is SERVING (see Backends.ready)."""
+        """Readiness: 503 while the encoder is not SERVING. Every model's LLM services are asked
+        too, and a model none of whose services is SERVING is named (status `degraded`), but it
+        keeps the gateway ready: it answers 503 by itself, and must not take the gateway, and
+        every other model, out of the Service (see Backends.ready)."""
         backends: Backends = request.app.state.backends
-        ready = await backends.ready()
-        return JSONResponse({"status": "ok" if ready else "not ready"}, status_code=200 if ready else 503)
+        serving = await backends.health()
+        encoder_ready = serving[backends.encoder.target]
+        models_not_ready = [
+            name
+            for name in backends.model_names
+            if not any(serving[client.target] for client in backends.check_model(name).clients)
+        ]
+        status = "not ready" if not encoder_ready else "degraded" if models_not_ready else "ok"
+        return JSONResponse(
+            {"status": status, "encoder_ready": encoder_ready, "models_not_ready": models_not_ready},
+            status_code=200 if encoder_ready else 503,
+        )
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
