@@ -3,6 +3,10 @@
 - Each service's extra declares every third-party distribution its code imports (read from the
   import graph of the sources, not from a list kept by hand), and the SDK needs only the base.
 - protobuf's floor is the version the checked-in stubs demand.
+- Each hash-locked file in requirements/ (what `make venv`, CI and the Dockerfiles install) pins
+  every requirement of the extras it was made for, at a version pyproject.toml allows, with
+  hashes, and nothing pyproject.toml no longer asks for; the torch the Makefile installs beside a
+  lock that leaves torch out is the one pyproject.toml pins.
 - `pip install '.[sdk]'` into a fresh virtual environment (no torch there) runs the SDK examples
   against the running stack.
 """
@@ -20,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.version import Version
 
 from tests.harness import Stack
 from tests.images import png_bytes
@@ -165,6 +170,92 @@ def test_protobuf_floor_is_what_the_stubs_require() -> None:
     assert floors == [f"{major}.{minor}.{patch}"], (
         f"stubs need protobuf >= {major}.{minor}.{patch}; pyproject says {protobuf}"
     )
+
+
+LOCKS = sorted((REPO / "requirements").glob("*.txt"))
+# The header requirements/compile.sh writes: whether torch is in the file, and the extras.
+LOCK_HEADER = re.compile(
+    r"^# Locked from pyproject.toml by requirements/compile.sh \((?P<torch>[^)]*)\): (?P<args>.+)$"
+)
+LOCK_ENTRY = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>\S+)")
+
+
+def _direct_requirements(extras: list[str]) -> dict[str, Requirement]:
+    """The base dependencies and those of `extras`, the project's own extras expanded, by name."""
+    optional = PYPROJECT["project"]["optional-dependencies"]
+    found: dict[str, Requirement] = {}
+    todo = [Requirement(r) for r in PYPROJECT["project"]["dependencies"]] + [
+        Requirement(r) for extra in extras for r in optional[extra]
+    ]
+    while todo:
+        requirement = todo.pop()
+        if requirement.name == PROJECT:
+            todo += [Requirement(r) for name in requirement.extras for r in optional[name]]
+        else:
+            found[_canonical(requirement.name)] = requirement
+    return found
+
+
+def _lock_entries(text: str) -> dict[str, tuple[Version, str]]:
+    """Each pinned distribution -> (version, the entry's text: its hashes and `# via` lines)."""
+    entries: dict[str, tuple[Version, str]] = {}
+    name = ""
+    for line in text.splitlines()[1:]:
+        if match := LOCK_ENTRY.match(line):
+            name = _canonical(match["name"])
+            entries[name] = (Version(match["version"]), line)
+        elif name:
+            entries[name] = (entries[name][0], entries[name][1] + "\n" + line)
+    return entries
+
+
+def test_there_is_a_lock_for_each_install() -> None:
+    names = {path.name for path in LOCKS}
+    makefile = (REPO / "Makefile").read_text()
+    dockerfiles = " ".join(path.read_text() for path in (REPO / "deploy" / "docker").glob("*.Dockerfile"))
+    assert {"gateway.txt", "encoder.txt", "encoder-cuda.txt", "llm.txt"} <= names
+    assert all(f"requirements/{n}" in dockerfiles or f"/tmp/requirements/{n}" in dockerfiles for n in
+               ("gateway.txt", "llm.txt", "encoder.txt", "encoder-cuda.txt"))  # fmt: skip
+    assert "requirements/$(if $(filter none,$(VLLM)),dev,dev-vllm-$(VLLM)).txt" in makefile
+    assert {"dev.txt", "dev-vllm-cpu.txt", "dev-vllm-cuda.txt"} <= names
+
+
+@pytest.mark.parametrize("lock", LOCKS, ids=[path.name for path in LOCKS])
+def test_each_lock_agrees_with_pyproject(lock: Path) -> None:
+    text = lock.read_text()
+    header = LOCK_HEADER.match(text.splitlines()[0])
+    assert header, f"{lock.name}: not written by requirements/compile.sh"
+    extras = re.findall(r"--extra (\S+)", header["args"])
+    wanted = _direct_requirements(extras)
+    entries = _lock_entries(text)
+    torch_apart = header["torch"] == "torch is installed apart"
+    if torch_apart:
+        assert "torch" not in entries, f"{lock.name} says torch is installed apart"
+        wanted.pop("torch", None)
+    missing = sorted(set(wanted) - set(entries))
+    assert not missing, f"{lock.name} lacks {missing}: run `make lock`"
+    outside = {name: f"{entries[name][0]} not in {wanted[name]}" for name in wanted
+               if not wanted[name].specifier.contains(entries[name][0], prereleases=True)}  # fmt: skip
+    assert not outside, f"{lock.name} pins versions pyproject.toml refuses: {outside}; run `make lock`"
+    unhashed = sorted(name for name, (_, entry) in entries.items() if "--hash=sha256:" not in entry)
+    assert not unhashed, f"{lock.name}: no hash for {unhashed}"
+    # What the lock says pyproject.toml asks for directly, and pyproject.toml no longer does.
+    stale = sorted(
+        name for name, (_, entry) in entries.items() if f"{PROJECT} (pyproject.toml)" in entry and name not in wanted
+    )
+    assert not stale, (
+        f"{lock.name} still pins {stale} for pyproject.toml, which no longer asks for them: run `make lock`"
+    )
+
+
+def test_the_torch_installed_beside_the_locks_is_the_one_pyproject_pins() -> None:
+    makefile = (REPO / "Makefile").read_text()
+    (torch,) = {str(r.specifier) for r in _direct_requirements(["encoder", "llm"]).values() if r.name == "torch"}
+    version = re.search(r"^TORCH_VERSION := (\S+)$", makefile, re.M)[1]  # type: ignore[index]
+    assert torch == f"=={version}"
+    for name in ("encoder", "llm"):
+        dockerfile = (REPO / "deploy" / "docker" / f"{name}.Dockerfile").read_text()
+        assert re.findall(r"^ARG TORCH_VERSION=(\S+)$", dockerfile, re.M) == [version], name
 
 
 @pytest.fixture(scope="module")
