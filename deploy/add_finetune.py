@@ -1,7 +1,8 @@
 """Adds one fine-tune to the deployment: `python deploy/add_finetune.py NAME [--checkpoint PATH]`.
 
 It writes deploy/base/finetunes/NAME/kustomization.yaml (the LLM service template as
-Deployment/Service/PDB llm-NAME serving model NAME from PATH, default /models/NAME), lists it
+Deployment/Service/PDB llm-NAME serving model NAME from PATH, default /models/NAME, and a
+ScaledObject llm-NAME on its own queue), lists it
 in deploy/base/finetunes/kustomization.yaml, and routes model NAME to its headless Service in
 deploy/base/routing/models.json. Both overlays pick it up; `python -m deploy.lint` and
 tests/test_deploy.py check that the three agree.
@@ -20,7 +21,7 @@ NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 LLM_PORT = 50061
 
 TEMPLATE = """\
-# Fine-tune {name}: the LLM service template as Deployment/Service/PDB llm-{name}.
+# Fine-tune {name}: the LLM service template as Deployment/Service/PDB/ScaledObject llm-{name}.
 apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
 resources:
@@ -48,11 +49,18 @@ patches:
                     value: {name}
                   - name: LLM_CHECKPOINT
                     value: {checkpoint}
+  # Autoscale on this fine-tune's own queue (the Service's name is the series' `service` label).
+  - target:
+      kind: ScaledObject
+    patch: |-
+      - op: replace
+        path: /spec/triggers/0/metadata/query
+        value: sum(vllm:num_requests_waiting{{namespace="{namespace}",service="llm-{name}"}})
 """
 
 
-def finetune_kustomization(name: str, checkpoint: str) -> str:
-    return TEMPLATE.format(name=name, checkpoint=checkpoint)
+def finetune_kustomization(name: str, checkpoint: str, namespace: str = "vlm") -> str:
+    return TEMPLATE.format(name=name, checkpoint=checkpoint, namespace=namespace)
 
 
 def base_namespace(deploy: Path) -> str:
@@ -73,7 +81,8 @@ def add_finetune(name: str, checkpoint: str | None = None, deploy: Path = DEPLOY
     if folder.exists() or name in models:
         raise SystemExit(f"fine-tune {name!r} already exists")
     folder.mkdir()
-    (folder / "kustomization.yaml").write_text(finetune_kustomization(name, checkpoint or f"/models/{name}"))
+    kustomization = finetune_kustomization(name, checkpoint or f"/models/{name}", base_namespace(deploy))
+    (folder / "kustomization.yaml").write_text(kustomization)
     listing.write_text(listing.read_text().rstrip("\n") + f"\n  - {name}\n")
     models[name] = [f"dns:///llm-{name}.{base_namespace(deploy)}.svc.cluster.local:{LLM_PORT}"]
     routing.write_text(_routes_json(models))

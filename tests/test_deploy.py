@@ -19,6 +19,7 @@ import pytest
 
 from deploy.add_finetune import add_finetune, finetune_kustomization
 from deploy.lint import RULES, lint, render
+from deploy.lint.crds import crd_errors, is_custom
 from deploy.lint.manifests import containers, env, parse_quantity, workloads
 
 # Starts processes of its own (see the tiers in tests/conftest.py).
@@ -59,7 +60,7 @@ def _secret_refs(docs: list[Doc]) -> list[Doc]:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_passes_the_kubernetes_schemas_strictly(overlay: str) -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
-    docs = rendered(DEPLOY / "overlays" / overlay)
+    docs = [doc for doc in rendered(DEPLOY / "overlays" / overlay) if not is_custom(doc)]
     errors = []
     for version in (OLDEST_KUBERNETES, kubernetes_validate.latest_version()):
         for doc in docs:
@@ -71,6 +72,44 @@ def test_overlay_passes_the_kubernetes_schemas_strictly(overlay: str) -> None:
             except kubernetes_validate.SchemaNotFoundError as error:
                 errors.append(error.message)
     assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_custom_resources_pass_their_vendored_schemas(overlay: str) -> None:
+    """KEDA and Prometheus Operator kinds, which kubernetes-validate has no schema for."""
+    pytest.importorskip("jsonschema", reason="jsonschema checks the vendored CRD schemas")
+    custom = [doc for doc in rendered(DEPLOY / "overlays" / overlay) if is_custom(doc)]
+    assert {doc["kind"] for doc in custom} == {"ScaledObject", "ServiceMonitor"}
+    assert [error for doc in custom for error in crd_errors(doc)] == []
+
+
+CRD_BREAKAGES: list[tuple[str, str, Callable[[Doc], object]]] = [
+    ("ScaledObject", "triggers.0.metadata.threshold: 4 is not of type 'string'", lambda d: d["spec"]["triggers"][0]["metadata"].update(threshold=4)),
+    ("ScaledObject", "Additional properties are not allowed ('minReplicas' was unexpected)", lambda d: d["spec"].update(minReplicas=1)),
+    ("ScaledObject", "scaleTargetRef: 'name' is a required property", lambda d: d["spec"]["scaleTargetRef"].pop("name")),
+    ("ScaledObject", "'Average' is not one of", lambda d: d["spec"]["triggers"][0].update(metricType="Average")),
+    ("ServiceMonitor", "endpoints.0.interval: '15 s' does not match", lambda d: d["spec"]["endpoints"][0].update(interval="15 s")),
+    ("ServiceMonitor", "('intervall' was unexpected)", lambda d: d["spec"]["endpoints"][0].update(intervall="15s")),
+    ("ServiceMonitor", "'selector' is a required property", lambda d: d["spec"].pop("selector")),
+    ("PodMonitor", "podMetricsEndpoints.0.portNumber: 0 is less than the minimum of 1", lambda d: d["spec"]["podMetricsEndpoints"][0].update(portNumber=0)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected", "breakage"), CRD_BREAKAGES, ids=[f"{k}-{i}" for i, (k, _, _) in enumerate(CRD_BREAKAGES)]
+)
+def test_vendored_crd_schemas_refuse_what_the_crds_refuse(
+    kind: str, expected: str, breakage: Callable[[Doc], object]
+) -> None:
+    pytest.importorskip("jsonschema", reason="jsonschema checks the vendored CRD schemas")
+    docs = rendered(DEPLOY / "overlays" / "prod")
+    doc = next(d for d in docs if d["kind"] == kind) if kind != "PodMonitor" else {
+        "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": {"name": "p", "namespace": NS},
+        "spec": {"selector": {"matchLabels": {"a": "b"}}, "podMetricsEndpoints": [{"port": "metrics"}]}}  # fmt: skip
+    assert crd_errors(doc) == []
+    breakage(doc)
+    assert any(expected in error for error in crd_errors(doc)), crd_errors(doc)
+    assert crd_errors({"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledJob", "metadata": {"name": "j"}})
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -126,7 +165,8 @@ def test_prod_runs_on_gpus_with_external_redis_and_referenced_secrets() -> None:
         deployment = _by(docs, "Deployment", name)
         container = containers(deployment, init=False)[0]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-        assert deployment["spec"]["replicas"] >= 2
+        assert "replicas" not in deployment["spec"]  # the ScaledObject's
+        assert _by(docs, "ScaledObject", name)["spec"]["minReplicaCount"] >= 2
         assert "initContainers" not in deployment["spec"]["template"]["spec"]
         prefix = "ENCODER_" if name == "encoder" else "LLM_"
         assert env(container)[f"{prefix}REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "vlm-redis", "key": "url"}
@@ -136,6 +176,33 @@ def test_prod_runs_on_gpus_with_external_redis_and_referenced_secrets() -> None:
     assert not [d for d in docs if d["kind"] == "Secret"]
     assert _secret_refs(docs) and not [ref for ref in _secret_refs(docs) if ref.get("optional")]
     assert _by(docs, "HorizontalPodAutoscaler", "gateway")["spec"]["minReplicas"] >= 2
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_pool_scales_on_a_metric_its_service_exports(overlay: str) -> None:
+    """The encoder on its batch queue (our gauge), each fine-tune on vLLM's waiting requests."""
+    import importlib.util
+
+    from prometheus_client import REGISTRY
+
+    import encoder_service.metrics  # noqa: F401  (registers the encoder's series)
+
+    docs = rendered(DEPLOY / "overlays" / overlay)
+    queries = {
+        d["metadata"]["name"]: d["spec"]["triggers"][0]["metadata"]["query"]
+        for d in docs
+        if d["kind"] == "ScaledObject"
+    }
+    assert queries == {
+        "encoder": 'sum(encoder_batch_queue_depth{namespace="vlm",service="encoder"})',
+        **{f"llm-{f}": f'sum(vllm:num_requests_waiting{{namespace="vlm",service="llm-{f}"}})' for f in FINETUNES},
+    }
+    assert "encoder_batch_queue_depth" in {metric.name for metric in REGISTRY.collect()}
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        pytest.skip("vLLM is not installed: cannot check the name of its waiting-requests gauge")
+    loggers = Path(spec.origin).parent / "v1" / "metrics" / "loggers.py"
+    assert '"vllm:num_requests_waiting"' in loggers.read_text()
 
 
 def test_adding_a_finetune_is_one_step(tmp_path: Path) -> None:
@@ -151,6 +218,8 @@ def test_adding_a_finetune_is_one_step(tmp_path: Path) -> None:
         served = env(containers(_by(docs, "Deployment", "llm-ft-c"), init=False)[0])
         assert served["LLM_CHECKPOINT"]["value"] == "/models/ft-c"
         assert _by(docs, "Service", "llm-ft-c")["spec"]["clusterIP"] == "None"
+        query = _by(docs, "ScaledObject", "llm-ft-c")["spec"]["triggers"][0]["metadata"]["query"]
+        assert query == 'sum(vllm:num_requests_waiting{namespace="vlm",service="llm-ft-c"})'
     with pytest.raises(SystemExit, match="already exists"):
         add_finetune("ft-c", deploy=copied)
     with pytest.raises(SystemExit, match="lowercase"):
@@ -241,16 +310,14 @@ def _workload(name: str, container: Doc, replicas: int | None = 1) -> list[Doc]:
     }
     if replicas:
         spec["replicas"] = replicas
-    port = container["ports"][0]
-    service_spec = {
-        "selector": {"app": name},
-        "ports": [{"name": port["name"], "port": port["containerPort"], "targetPort": port["name"]}],
-    }
-    if port["name"] == "grpc":
+    ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"]} for p in container["ports"]]
+    service_spec: Doc = {"selector": {"app": name}, "ports": ports}
+    if ports[0]["name"] == "grpc":
         service_spec["clusterIP"] = "None"
+    service_meta = {**meta, "labels": {COMPONENT: COMPONENTS[name]}}
     return [
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": spec},
-        {"apiVersion": "v1", "kind": "Service", "metadata": dict(meta), "spec": service_spec},
+        {"apiVersion": "v1", "kind": "Service", "metadata": service_meta, "spec": service_spec},
         {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": dict(meta),
          "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"app": name}}}},
     ]  # fmt: skip
@@ -289,18 +356,41 @@ def _stack() -> list[Doc]:
     hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": "gateway", "namespace": NS},
            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "gateway"}, "minReplicas": 2,
                     "maxReplicas": 4, "metrics": [{"type": "Resource", "resource": {"name": "cpu", "target": cpu_target}}]}}  # fmt: skip
-    workloads_ = [("encoder", encoder, 1), ("llm-ft-a", llm, 1), ("gateway", gateway, None), ("redis", redis, 1)]
+    # The model servers' counts belong to their ScaledObjects, the gateway's to its HPA.
+    workloads_ = [("encoder", encoder, None), ("llm-ft-a", llm, None), ("gateway", gateway, None), ("redis", redis, 1)]
     namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}
-    encoder["ports"].append({"name": "metrics", "containerPort": 9090})
+    for server in (encoder, llm):
+        server["ports"].append({"name": "metrics", "containerPort": 9090})
     docs = [doc for name, container, replicas in workloads_ for doc in _workload(name, container, replicas)]
-    _by(docs, "Deployment", "encoder")["spec"]["template"]["metadata"]["annotations"] = {"prometheus.io/port": "9090"}
-    docs += _policies()
+    for name in ("encoder", "llm-ft-a"):
+        _by(docs, "Deployment", name)["spec"]["template"]["metadata"]["annotations"] = {"prometheus.io/port": "9090"}
+    _pod(docs, "llm-ft-a")["topologySpreadConstraints"] = [{
+        "maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule",
+        "labelSelector": {"matchLabels": {COMPONENT: "llm"}}, "matchLabelKeys": ["app", "pod-template-hash"]}]  # fmt: skip
+    docs += _policies() + [
+        _scaled("encoder", "encoder_batch_queue_depth"),
+        _scaled("llm-ft-a", "vllm:num_requests_waiting"),
+    ]
+    docs.append({"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": {"name": "models", "namespace": NS},
+                 "spec": {"selector": {"matchExpressions": [{"key": COMPONENT, "operator": "In", "values": ["encoder", "llm"]}]},
+                          "endpoints": [{"port": "metrics"}]}})  # fmt: skip
     _pod(docs, "gateway")["terminationGracePeriodSeconds"] = 60  # > preStop 5 + 2 phases of 20 s
     return docs + [
         routing,
         hpa,
         namespace,
     ]
+
+
+def _scaled(name: str, metric: str) -> Doc:
+    query = f'sum({metric}{{namespace="{NS}",service="{name}"}})'
+    trigger = {"type": "prometheus", "metadata": {"serverAddress": "http://p:9090", "query": query, "threshold": "4"}}
+    return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": {"name": name, "namespace": NS},
+            "spec": {"scaleTargetRef": {"name": name}, "minReplicaCount": 1, "maxReplicaCount": 3, "triggers": [trigger]}}  # fmt: skip
+
+
+def _query(docs: list[Doc], name: str, query: str) -> None:
+    _spec(docs, "ScaledObject", name)["triggers"][0]["metadata"]["query"] = query
 
 
 def _policies() -> list[Doc]:
@@ -466,6 +556,21 @@ BREAKAGES: list[tuple[str, str, Breakage]] = [
     ("network_policies", "Deployment/gateway: can reach the public address 203.0.113.7:443", lambda d: _policy(d, "gateway")["spec"]["egress"].append({})),
     ("network_policies", "Deployment/llm-ft-a: a pod of namespace elsewhere can open port grpc", lambda d: _policy(d, "grpc-from-gateway")["spec"]["ingress"][0].pop("from")),
     ("network_policies", "Deployment/redis: a pod of namespace elsewhere can open port redis", lambda d: _policy(d, "redis")["spec"].update(ingress=[{}])),
+    ("autoscaling", "Deployment/llm-ft-a sets spec.replicas, which resets the scaler", lambda d: _spec(d, "Deployment", "llm-ft-a").update(replicas=2)),
+    ("autoscaling", "scaleTargetRef Deployment/llm does not exist", lambda d: _spec(d, "ScaledObject", "llm-ft-a")["scaleTargetRef"].update(name="llm")),
+    ("autoscaling", "replicas 3..2; need 1 <= min <= max", lambda d: _spec(d, "ScaledObject", "encoder").update(minReplicaCount=3, maxReplicaCount=2)),
+    ("autoscaling", "replicas 0..3", lambda d: _spec(d, "ScaledObject", "encoder").update(minReplicaCount=0)),
+    ("autoscaling", "Deployment/llm-ft-a: a model server with no ScaledObject", lambda d: d.remove(_by(d, "ScaledObject", "llm-ft-a"))),
+    ("autoscaling", "Deployment/gateway: 2 autoscalers", lambda d: d.append({**_scaled("gateway", "m"), "metadata": {"name": "gw", "namespace": NS}})),
+    ("autoscaling", "Service/encoder does not select Deployment/llm-ft-a", lambda d: _query(d, "llm-ft-a", 'sum(vllm:num_requests_waiting{namespace="vlm",service="encoder"})')),
+    ("autoscaling", "selects no Service of the namespace", lambda d: _query(d, "llm-ft-a", 'sum(vllm:num_requests_waiting{namespace="vlm"})')),
+    ("autoscaling", 'does not select namespace="vlm"', lambda d: _query(d, "encoder", 'sum(encoder_batch_queue_depth{service="encoder"})')),
+    ("autoscaling", "threshold 'many' is not a number", lambda d: _spec(d, "ScaledObject", "encoder")["triggers"][0]["metadata"].update(threshold="many")),
+    ("autoscaling", "no ServiceMonitor scrapes Service/llm-ft-a", lambda d: _spec(d, "ServiceMonitor", "models")["selector"]["matchExpressions"][0].update(values=["encoder"])),
+    ("monitoring", "Deployment/llm-ft-a: metrics port 9090 is scraped 0 times", lambda d: _spec(d, "ServiceMonitor", "models")["endpoints"][0].update(port="grpc")),
+    ("monitoring", "Deployment/encoder: metrics port 9090 is scraped 2 times", lambda d: d.append({"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": {"name": "e", "namespace": NS}, "spec": {"selector": {"matchLabels": {"app": "encoder"}}, "podMetricsEndpoints": [{"port": "metrics"}]}})),
+    ("spread", "Deployment/llm-ft-a: holds GPUs but no kubernetes.io/hostname", lambda d: _pod(d, "llm-ft-a").pop("topologySpreadConstraints")),
+    ("spread", "selects its pods alone", lambda d: _pod(d, "llm-ft-a")["topologySpreadConstraints"][0].update(matchLabelKeys=[], labelSelector={"matchLabels": {"app.kubernetes.io/part-of": "x"}})),
     ("images", "'example/encoder' has no pinned tag", lambda d: _ctr(d, "encoder").update(image="example/encoder")),
     ("images", "'registry:5000/gw:latest' has no pinned tag", lambda d: _ctr(d, "gateway").update(image="registry:5000/gw:latest")),
 ]  # fmt: skip

@@ -4,7 +4,7 @@
 against each other and against how the services behave (README settings, DESIGN.md): names,
 selectors, Service and probe ports, the gateway's routing (wiring.py); namespaces and Redis
 hosts (scope.py); shutdown timing against the gateway's deadline (rollout.py); NetworkPolicies against the
-flows the settings imply (isolation.py, evaluated by network.py); quantities, GPUs, torch
+flows the settings imply (isolation.py, evaluated by network.py); autoscalers, monitors and GPU spreading (scaling.py); quantities, GPUs, torch
 threads, secrets, security context, service links, Redis and image tags (policy.py).
 
 Each rule takes every rendered document of one overlay and returns findings, one
@@ -32,6 +32,7 @@ from deploy.lint.policy import (
     torch_threads,
 )
 from deploy.lint.rollout import termination
+from deploy.lint.scaling import autoscaling, monitoring, spread
 from deploy.lint.scope import env_references, namespaces, store_targets
 from deploy.lint.wiring import names, probes, routing, selectors, service_targets
 
@@ -41,7 +42,7 @@ RULES: dict[str, Rule] = {
     rule.__name__: rule
     for rule in (namespaces, names, selectors, service_targets, routing, store_targets, env_references, probes,
                  quantities, gpus, torch_threads, no_inline_secrets, termination, security, service_links, redis,
-                 images, network_policies)
+                 images, network_policies, autoscaling, monitoring, spread)
 }  # fmt: skip
 
 
