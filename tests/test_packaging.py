@@ -258,6 +258,23 @@ def test_the_torch_installed_beside_the_locks_is_the_one_pyproject_pins() -> Non
         assert re.findall(r"^ARG TORCH_VERSION=(\S+)$", dockerfile, re.M) == [version], name
 
 
+def test_the_gpu_llm_image_takes_from_the_lock_only_what_vllms_image_lacks() -> None:
+    """deploy/docker/lock_beyond_image.py: the image's own versions stay (whatever their
+    spelling), everything else comes from our lock with its hashes."""
+    sys.path.insert(0, str(REPO / "deploy" / "docker"))
+    try:
+        from lock_beyond_image import beyond
+    finally:
+        sys.path.pop(0)
+    lock = (REPO / "requirements" / "llm.txt").read_text()
+    image = "numpy==2.2.6\nTransformers==5.19.0\ngrpcio==1.80.0\npydantic_core==2.41.0\nvllm==0.32.0\n"
+    missing = {_canonical(line.split("==")[0]): line for line in beyond(lock, image)}
+    locked = _lock_entries(lock)
+    assert set(missing) == set(locked) - {"numpy", "transformers", "grpcio", "pydantic-core"}
+    for name, line in missing.items():
+        assert line.count("--hash=sha256:") == locked[name][1].count("--hash=sha256:") > 0, name
+
+
 @pytest.fixture(scope="module")
 def sdk_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh virtual environment with `pip install '<copy of the repo>[sdk]'`: what a pipeline

@@ -2,7 +2,9 @@
 # Encoder service (vision tower on a GPU). Build from the repository root:
 #   docker build -f deploy/docker/encoder.Dockerfile -t vlm-encode-once/encoder:0.1.0 .
 # PyPI's torch wheel for Linux x86_64 is a CUDA build (the driver comes from the host through
-# the NVIDIA container toolkit). CPU image for the dev overlay:
+# the NVIDIA container toolkit): the default installs requirements/encoder-cuda.txt, torch and
+# its CUDA libraries included, every file checked against its hash. CPU image for the dev overlay
+# (torch's CPU build from that index, then requirements/encoder.txt, which leaves torch out):
 #   docker build -f deploy/docker/encoder.Dockerfile -t vlm-encode-once/encoder:dev-cpu \
 #     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
 
@@ -28,12 +30,18 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_OFFLINE=1
 RUN groupadd --gid 10001 app \
     && useradd --uid 10001 --gid 10001 --home-dir /home/app --create-home --shell /usr/sbin/nologin app
-# torch first, from the index that matches the hardware; the project's torch==2.13.0 pin is then
-# already met (2.13.0+cpu counts as 2.13.0), so the next step does not replace it.
-RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+# The locked dependencies (requirements/compile.sh). Another index: torch alone from it first
+# (--no-deps: its dependencies are in the lock; 2.13.0+cpu meets the project's torch==2.13.0).
+RUN --mount=type=bind,source=requirements,target=/tmp/requirements \
+    if [ "${TORCH_INDEX_URL}" = https://pypi.org/simple ]; then \
+        pip install --require-hashes -r /tmp/requirements/encoder-cuda.txt; \
+    else \
+        pip install --no-deps --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
+        && pip install --require-hashes -r /tmp/requirements/encoder.txt; \
+    fi
 COPY --from=wheel /wheels /wheels
-# Only this service's extra (encoder): pyproject.toml lists what each service needs.
-RUN pip install "$(ls /wheels/*.whl)[encoder]" && rm -rf /wheels
+# The project's wheel with its own extra and no index: a lock that misses something fails here.
+RUN pip install "$(ls /wheels/*.whl)[encoder]" --no-index && rm -rf /wheels
 
 USER 10001:10001
 WORKDIR /home/app

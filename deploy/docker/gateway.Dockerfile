@@ -21,9 +21,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN groupadd --gid 10001 app \
     && useradd --uid 10001 --gid 10001 --home-dir /home/app --create-home --shell /usr/sbin/nologin app
+# The gateway's dependencies from their lock (requirements/gateway.txt), each file checked against
+# its hash; then the project's wheel with its own extra and no index: everything the extra names
+# must already be there, so a lock that misses something fails the build here.
+RUN --mount=type=bind,source=requirements/gateway.txt,target=/tmp/lock.txt \
+    pip install --require-hashes -r /tmp/lock.txt
 COPY --from=wheel /wheels /wheels
-# Only this service's extra (gateway): pyproject.toml lists what each service needs.
-RUN pip install "$(ls /wheels/*.whl)[gateway]" && rm -rf /wheels
+RUN pip install "$(ls /wheels/*.whl)[gateway]" --no-index && rm -rf /wheels
 
 USER 10001:10001
 WORKDIR /home/app

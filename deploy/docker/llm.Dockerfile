@@ -6,7 +6,8 @@
 #   CPU, transformers engine, for the dev overlay:
 #     docker build -f deploy/docker/llm.Dockerfile --target cpu -t vlm-encode-once/llm:dev-cpu .
 # vLLM 0.32.0 pins torch==2.13.0 and transformers<5.20, the versions the project pins too
-# (pyproject.toml), so installing the project into vLLM's image moves neither.
+# (pyproject.toml). The GPU target installs into vLLM's image under a constraints file made from
+# that image's own versions, so pip cannot move vLLM's dependencies; the build fails instead.
 
 FROM python:3.11-slim-bookworm AS wheel
 WORKDIR /src
@@ -28,10 +29,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_OFFLINE=1
 RUN groupadd --gid 10001 app \
     && useradd --uid 10001 --gid 10001 --home-dir /home/app --create-home --shell /usr/sbin/nologin app
-RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
+# torch's CPU build alone (its dependencies are in the lock), then the lock, every file checked
+# against its hash; then the project's wheel with no index: a lock that misses something fails here.
+RUN pip install --no-deps --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
+RUN --mount=type=bind,source=requirements/llm.txt,target=/tmp/lock.txt \
+    pip install --require-hashes -r /tmp/lock.txt
 COPY --from=wheel /wheels /wheels
-# Only this service's extra (llm): pyproject.toml lists what each service needs.
-RUN pip install "$(ls /wheels/*.whl)[llm]" && rm -rf /wheels
+RUN pip install "$(ls /wheels/*.whl)[llm]" --no-index && rm -rf /wheels
 USER 10001:10001
 WORKDIR /home/app
 EXPOSE 50061 9090
@@ -51,8 +55,18 @@ RUN groupadd --gid 10001 app \
     && useradd --uid 10001 --gid 10001 --home-dir /home/app --create-home --shell /usr/sbin/nologin app
 COPY --from=wheel /wheels /wheels
 # Into the image's own Python, beside vLLM (PIP_BREAK_SYSTEM_PACKAGES: that Python may be marked
-# as system-managed; this image is the only user of it).
-RUN PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install "$(ls /wheels/*.whl)[llm]" && rm -rf /wheels \
+# as system-managed; this image is the only user of it). image-pins.txt is the image's own
+# versions, a constraints file: what vLLM's image has stays as it is. What it lacks comes from our
+# lock, hashes checked (lock_beyond_image.py); then the project's wheel with no index, under the
+# same constraints, so a pin of ours the image does not meet fails the build instead of moving vLLM.
+ENV PIP_BREAK_SYSTEM_PACKAGES=1
+RUN --mount=type=bind,source=requirements/llm.txt,target=/tmp/lock.txt \
+    --mount=type=bind,source=deploy/docker/lock_beyond_image.py,target=/tmp/lock_beyond_image.py \
+    python3 -m pip list --format=freeze --exclude-editable > /tmp/image-pins.txt \
+    && python3 /tmp/lock_beyond_image.py /tmp/lock.txt /tmp/image-pins.txt > /tmp/missing.txt \
+    && python3 -m pip install --require-hashes -r /tmp/missing.txt \
+    && python3 -m pip install "$(ls /wheels/*.whl)[llm]" --no-index -c /tmp/image-pins.txt \
+    && rm -rf /wheels /tmp/image-pins.txt /tmp/missing.txt \
     && python3 -c "import llm_service.server, shared.grpc_server"
 USER 10001:10001
 WORKDIR /home/app
