@@ -4,6 +4,7 @@ every rule, and each rule finds the breakage it guards against."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from collections.abc import Callable
 from decimal import Decimal
@@ -159,6 +160,11 @@ def _query(docs: list[Doc], name: str, query: str) -> None:
 
 def _policies() -> list[Doc]:
     """The base's NetworkPolicies and dev's Redis ones, as written, in namespace vlm."""
+    return copy.deepcopy(_policy_files())
+
+
+@functools.cache
+def _policy_files() -> list[Doc]:
     yaml = pytest.importorskip("yaml", reason="PyYAML reads the NetworkPolicies")
     files = (DEPLOY / "base" / "network-policies.yaml", DEPLOY / "overlays" / "dev" / "network-policies.yaml")
     docs = [doc for path in files for doc in yaml.safe_load_all(path.read_text()) if doc]
