@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import metrics
+from gateway import metrics, summary
 from gateway.access import Admission, ApiKeys
 from gateway.backends import Backends
 from gateway.chat import generate, prepare
@@ -43,6 +43,7 @@ async def _primed(chunks: IndexedChunks) -> IndexedChunks:
 async def _encode_response(
     encoder: AsyncEncoderClient, result: EncodedMedia, return_embeddings: bool
 ) -> EncodeMediaResponse:
+    summary.current().note_keys([result.key])
     blob = await encoder.get_embedding(result.key) if return_embeddings else None
     return EncodeMediaResponse(
         key=result.key, grid_thw=result.grid_thw, num_tokens=result.num_tokens, encoder_id=result.encoder_id,
@@ -71,10 +72,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict[str, Any] | StreamingResponse:
         """OpenAI chat completions; image parts are encoded once and shared by every model."""
+        summary.current().model = body.model
         if body.model_extra:
-            logger.info(
-                "ignoring unsupported fields %s (request %s)", sorted(body.model_extra), request.state.request_id
-            )
+            logger.info("ignoring unsupported fields %s", sorted(body.model_extra))  # the line names the request
         backends: Backends = request.app.state.backends
         backends.check_model(body.model)  # unknown model: 404 before any image is encoded
         # The slot is held exactly as long as the HTTP exchange, however it ends: a streaming

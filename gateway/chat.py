@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
-from gateway import metrics
+from gateway import metrics, summary
 from gateway.backends import Backends
 from gateway.inline_embeds import inline_blob
 from gateway.schemas import ChatCompletionRequest, ImageUrlPart, MediaEmbedsPart, MediaPart, TextPart, VideoPart
@@ -132,6 +132,8 @@ async def prepare(
             for j, part in enumerate(message.content)
         ]
         messages.append(Message(message.role, content))
+    stored = (item.key for m in messages for item in m.content if isinstance(item, ImageKey | VideoKey))
+    summary.current().note_keys(stored)
     return PreparedChat(messages, {key: source for source, key in key_of.items()})
 
 
@@ -164,6 +166,15 @@ async def _opened(
         return await _start(llm, request, chat, sampling, request_id)
 
 
+def _finished(request: ChatCompletionRequest, chunk: GenerationChunk, first_at: float) -> None:
+    """Counts a choice's last chunk: its tokens, and the time per token after the first."""
+    summary.current().note_usage(chunk.prompt_tokens, chunk.completion_tokens)
+    metrics.TOKENS.labels(request.model).inc(chunk.completion_tokens)
+    if chunk.completion_tokens > 1:  # decode time per token after the first
+        per_token = (time.perf_counter() - first_at) / (chunk.completion_tokens - 1)
+        metrics.TOKEN_SECONDS.labels(request.model).observe(per_token)
+
+
 async def _one_choice(
     request: ChatCompletionRequest, chat: PreparedChat, backends: Backends, sampling: Sampling, request_id: str
 ) -> AsyncIterator[GenerationChunk]:
@@ -172,16 +183,16 @@ async def _one_choice(
     stream, first = await _opened(request, chat, backends, sampling, request_id)
     first_at = time.perf_counter()
     metrics.TTFT_SECONDS.labels(request.model).observe(first_at - started)
+    summary.current().note_first_token()
+    if first.finish_reason is not None:  # a one-message answer (max_tokens 1, an immediate stop)
+        _finished(request, first, first_at)
     yield first
     # The consumer asks for the next chunk once it has sent this one as a response event, so the
     # time spent in each yield is the relay (with n > 1, only the hand-over to the merging queue).
     relaying = time.perf_counter() - first_at
     async for chunk in stream:
         if chunk.finish_reason is not None:
-            metrics.TOKENS.labels(request.model).inc(chunk.completion_tokens)
-            if chunk.completion_tokens > 1:  # decode time per token after the first
-                per_token = (time.perf_counter() - first_at) / (chunk.completion_tokens - 1)
-                metrics.TOKEN_SECONDS.labels(request.model).observe(per_token)
+            _finished(request, chunk, first_at)
         handed = time.perf_counter()
         yield chunk
         relaying += time.perf_counter() - handed

@@ -8,6 +8,8 @@ Here, for each exchange:
 - API keys and the body limit are checked before any route runs. The limit is counted on the
   bytes received, not on `Content-Length`, which a chunked body does not send;
 - an exception nobody answered becomes the OpenAI-shaped 500;
+- the request id is in force for every log line written while serving it, and one summary line
+  (gateway.summary) is written when the exchange ends;
 - cleanups registered with `on_exchange_end` (an admission slot, an open generation) run once
   when the exchange ends: response sent, failed, or never started because the client left.
 """
@@ -24,10 +26,11 @@ from collections.abc import Callable
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import metrics
+from gateway import metrics, summary
 from gateway.access import ApiKeys
 from gateway.errors import error_response
 from shared.errors import Internal, ServiceError, TooLarge
+from shared.request_context import request_id_var
 
 logger = logging.getLogger(__name__)
 Cleanup = Callable[[], object]  # may return an awaitable, which is awaited
@@ -87,21 +90,29 @@ class ExchangeMiddleware:
         request.state.request_id = client_id if _CLIENT_ID.fullmatch(client_id) else uuid.uuid4().hex
         setattr(request.state, _CLEANUPS, [])
         response = _Response(send, request.state.request_id)
-        try:
-            self._admit(request)
-            await self.app(scope, self._limited(receive, response, scope), response.send)
-        except ClientDisconnect:
-            logger.info("client went away from %s", scope["path"])
-        except ServiceError as error:
-            await response.answer(error, scope, receive)
-        except Exception:
-            logger.exception("unhandled error on %s", scope["path"])
-            await response.answer(Internal("internal error; see the gateway log"), scope, receive)
-        finally:
-            await _run_cleanups(getattr(request.state, _CLEANUPS))
-            route = getattr(scope.get("route"), "path", "unmatched")
-            metrics.HTTP_SECONDS.labels(route).observe((response.head_at or time.perf_counter()) - started)
-            metrics.HTTP_REQUESTS.labels(route, str(response.status or CLIENT_GONE)).inc()
+        # Every line logged while serving this request names it (shared.logging_setup).
+        request_id_token = request_id_var.set(request.state.request_id)
+        watched = not request.url.path.startswith(self._open_paths)  # probes and scrapes: no line
+        with summary.summarised() as noted:
+            try:
+                self._admit(request)
+                await self.app(scope, self._limited(receive, response, scope), response.send)
+            except ClientDisconnect:
+                logger.info("client went away from %s", scope["path"])
+            except ServiceError as error:
+                await response.answer(error, scope, receive)
+            except Exception:
+                logger.exception("unhandled error on %s", scope["path"])
+                await response.answer(Internal("internal error; see the gateway log"), scope, receive)
+            finally:
+                await _run_cleanups(getattr(request.state, _CLEANUPS))
+                route = getattr(scope.get("route"), "path", "unmatched")
+                status = response.status or CLIENT_GONE
+                metrics.HTTP_SECONDS.labels(route).observe((response.head_at or time.perf_counter()) - started)
+                metrics.HTTP_REQUESTS.labels(route, str(status)).inc()
+                if watched:
+                    summary.log_summary(noted, scope["method"], route, status)
+                request_id_var.reset(request_id_token)
 
     def _admit(self, request: Request) -> None:
         if not request.url.path.startswith(self._open_paths):

@@ -13,6 +13,8 @@ embeddings.
 from __future__ import annotations
 
 import asyncio
+import json
+import tempfile
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase, Qwen2VLConfig
 from vllm import SamplingParams as VLLMSamplingParams
+from vllm.config import LoggingConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.inputs import TokensPrompt
@@ -45,6 +48,7 @@ from llm_service.engines.base import (
 )
 from llm_service.engines.vllm_process import dying_with_service
 from shared.errors import InvalidInput, Unavailable
+from shared.logging_setup import active_logging_config
 
 _GIB = 1 << 30
 ENGINE_DEAD = "the vLLM engine process died; this service is restarting"
@@ -93,17 +97,22 @@ class VLLMEngine(Engine):
             enforce_eager=enforce_eager,
             # vLLM's default, pinned: the transformers engine reports the same kind (logits.py).
             logprobs_mode="raw_logprobs",
+            logging_config=_service_logging(),
         )
         tokenizer = AutoTokenizer.from_pretrained(path)
         config = AutoConfig.from_pretrained(path)
         eos_ids = _eos_ids(path, config, tokenizer)
-        # AsyncLLM.from_engine_args, with an executor that ties EngineCore to this process.
-        vllm_config = args.create_engine_config()
-        executor_class = dying_with_service(vllm_config)
-        engine = AsyncLLM(
-            vllm_config=vllm_config, executor_class=executor_class, log_requests=args.enable_log_requests,
-            log_stats=not args.disable_log_stats,
-        )  # fmt: skip
+        try:
+            # AsyncLLM.from_engine_args, with an executor that ties EngineCore to this process.
+            vllm_config = args.create_engine_config()
+            executor_class = dying_with_service(vllm_config)
+            engine = AsyncLLM(
+                vllm_config=vllm_config, executor_class=executor_class, log_requests=args.enable_log_requests,
+                log_stats=not args.disable_log_stats,
+            )  # fmt: skip
+        finally:  # every engine process has read it by now (or none will start)
+            if args.logging_config is not None and args.logging_config.pylogging_config_file:
+                Path(args.logging_config.pylogging_config_file).unlink(missing_ok=True)
         return cls(engine, tokenizer, config, eos_ids)
 
     def close(self) -> None:
@@ -268,6 +277,20 @@ def _finish_reason(reason: str | None) -> FinishReason:
     if reason in ("stop", "length"):
         return reason  # type: ignore[return-value]
     raise RuntimeError(f"vLLM ended the generation with finish reason {reason!r}")
+
+
+def _service_logging() -> LoggingConfig | None:
+    """vLLM's logging set up as the service's (JSON lines with the request id, shared.logging_setup),
+    in this process and in the engine processes it spawns, which never run our __main__: vLLM
+    applies a logging config file in each. Left to vLLM, it gives its "vllm" logger a text handler
+    of its own and stops it propagating. None (vLLM's default) where the service did not configure
+    logging (a library use, a test)."""
+    config = active_logging_config()
+    if config is None:
+        return None
+    with tempfile.NamedTemporaryFile("w", prefix="vllm-logging-", suffix=".json", delete=False) as file:
+        json.dump(config, file)
+    return LoggingConfig(pylogging_config_file=file.name)
 
 
 def _eos_ids(path: Path, config: Qwen2VLConfig, tokenizer: PreTrainedTokenizerBase) -> set[int]:
