@@ -11,11 +11,13 @@ from shared import event_loop
 from shared.grpc_metrics import serve_metrics
 from shared.grpc_server import serve_until_signal
 from shared.logging_setup import configure_logging
+from shared.tracing import TracingSettings, init_tracing
 
 
 async def main() -> None:
     settings = EncoderSettings()
     configure_logging("encoder", settings.log_level, settings.json_logs)
+    tracer_provider = init_tracing("encoder", TracingSettings())
     if settings.retain_freed_memory and retain_freed_memory():
         logging.getLogger(__name__).info("allocator keeps freed memory (no mmap for large blocks, no trimming)")
     serve_metrics(settings.metrics_port)
@@ -24,6 +26,8 @@ async def main() -> None:
     await serve_until_signal(server.running, settings.grace_s)
     await server.core.batcher.aclose()
     await server.core.store.aclose()
+    if tracer_provider is not None:
+        tracer_provider.shutdown()  # exports the spans still queued
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from encoder_service.metrics import EncoderCounters
 from encoder_service.resize import PixelPolicy
 from encoder_service.video import preprocess_video
 from encoder_service.vision import Preprocessed, VisionEncoder
+from shared import tracing
 from shared.blob import BlobRules, EmbeddingBlob, Modality, decode_blob, encode_blob
 from shared.errors import EmbeddingNotFound, IncompatibleEncoder, InvalidEmbedding, InvalidInput, TooLarge, clip
 from shared.keys import embedding_key, parse_key, video_key
@@ -77,6 +78,7 @@ class EncoderCore:
         image_bytes = await self._image_bytes(source)
         min_px, max_px = self.limits.image_pixels.bounds(min_pixels, max_pixels)
         key = embedding_key(self.encoder_id, image_bytes, min_px, max_px)
+        tracing.annotate({tracing.MEDIA_KEY: key})
 
         def preprocess() -> Preprocessed:
             image = load_image(image_bytes, self.limits.max_decoded_pixels)
@@ -97,6 +99,7 @@ class EncoderCore:
         )
         min_px, max_px = self.limits.video_pixels.bounds(min_pixels, max_pixels)
         key = video_key(self.encoder_id, frame_bytes, min_px, max_px)
+        tracing.annotate({tracing.MEDIA_KEY: key})
 
         def preprocess() -> Preprocessed:
             decoded = [

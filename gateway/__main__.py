@@ -7,11 +7,13 @@ import uvicorn
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from shared.logging_setup import configure_logging
+from shared.tracing import TracingSettings, init_tracing
 
 
 def main() -> None:
     settings = GatewaySettings()
     configure_logging("gateway", settings.log_level, settings.json_logs)
+    tracer_provider = init_tracing("gateway", TracingSettings())
     # log_config=None: uvicorn's loggers go through our (JSON) handler instead of its own.
     # A keep-alive shorter than the client's lets the server close a connection the client is
     # about to reuse (a ReadError on its next request); see GATEWAY_KEEP_ALIVE_S.
@@ -27,6 +29,8 @@ def main() -> None:
         # uvicorn's hint says int, but it only schedules a timer with it: a float keeps fractions.
         timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]
     )
+    if tracer_provider is not None:
+        tracer_provider.shutdown()  # exports the spans still queued
 
 
 if __name__ == "__main__":

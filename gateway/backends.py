@@ -8,6 +8,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.settings import GatewaySettings
+from shared import tracing
 from shared.errors import ModelNotFound, clip
 from shared.sdk import AsyncEncoderClient, AsyncLLMClient, ModelInfo
 
@@ -45,7 +46,8 @@ class Rotation:
 
 class Backends:
     def __init__(self, settings: GatewaySettings) -> None:
-        timeout, config = settings.request_timeout_s, settings.channel_config()
+        # The trace context goes with every call when tracing is on (shared/tracing.py).
+        timeout, config = settings.request_timeout_s, settings.channel_config(tracing.client_interceptors())
         self._health_config = config
         self.encoder = AsyncEncoderClient(settings.encoder_target, timeout, config)
         self._models: dict[str, list[AsyncLLMClient]] = {

@@ -8,8 +8,9 @@ Here, for each exchange:
 - API keys and the body limit are checked before any route runs. The limit is counted on the
   bytes received, not on `Content-Length`, which a chunked body does not send;
 - an exception nobody answered becomes the OpenAI-shaped 500;
-- the request id is in force for every log line written while serving it, and one summary line
-  (gateway.summary) is written when the exchange ends;
+- the request id is in force for every log line written while serving it, the request's trace
+  span (shared.tracing) for every call made for it, and one summary line (gateway.summary) is
+  written when the exchange ends;
 - cleanups registered with `on_exchange_end` (an admission slot, an open generation) run once
   when the exchange ends: response sent, failed, or never started because the client left.
 """
@@ -29,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway import metrics, summary
 from gateway.access import ApiKeys
 from gateway.errors import error_response
+from shared import tracing
 from shared.errors import Internal, ServiceError, TooLarge
 from shared.request_context import request_id_var
 
@@ -92,8 +94,11 @@ class ExchangeMiddleware:
         response = _Response(send, request.state.request_id)
         # Every line logged while serving this request names it (shared.logging_setup).
         request_id_token = request_id_var.set(request.state.request_id)
-        watched = not request.url.path.startswith(self._open_paths)  # probes and scrapes: no line
-        with summary.summarised() as noted:
+        watched = not request.url.path.startswith(self._open_paths)  # probes and scrapes: no trace, no line
+        with (
+            summary.summarised() as noted,
+            tracing.http_server_span(scope["method"], scope["path"], request.headers, record=watched) as span,
+        ):
             try:
                 self._admit(request)
                 await self.app(scope, self._limited(receive, response, scope), response.send)
@@ -112,6 +117,8 @@ class ExchangeMiddleware:
                 metrics.HTTP_REQUESTS.labels(route, str(status)).inc()
                 if watched:
                     summary.log_summary(noted, scope["method"], route, status)
+                    attributes = {tracing.MODEL: noted.model or "", tracing.MEDIA_KEYS: noted.keys}
+                    tracing.end_http_span(span, scope["method"], route, status, attributes)
                 request_id_var.reset(request_id_token)
 
     def _admit(self, request: Request) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -55,6 +56,6 @@ class GatewaySettings(BaseSettings):
     json_logs: bool = Field(True, description="Structured JSON log lines (with the request id) instead of plain text.")
     log_level: str = Field("INFO", description="Python logging level.")
 
-    def channel_config(self) -> ChannelConfig:
+    def channel_config(self, aio_interceptors: tuple[grpc.aio.ClientInterceptor, ...] = ()) -> ChannelConfig:
         roots = Path(self.grpc_tls_ca_file).read_bytes() if self.grpc_tls_ca_file else None
-        return ChannelConfig(self.grpc_max_message_bytes, self.grpc_token, roots)
+        return ChannelConfig(self.grpc_max_message_bytes, self.grpc_token, roots, aio_interceptors)

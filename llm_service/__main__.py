@@ -11,6 +11,7 @@ from shared import event_loop
 from shared.grpc_metrics import serve_metrics
 from shared.grpc_server import serve_until_signal
 from shared.logging_setup import configure_logging
+from shared.tracing import TracingSettings, init_tracing
 
 
 async def main() -> int:
@@ -18,6 +19,7 @@ async def main() -> int:
     the service can only answer 503, so it leaves, as vLLM's own server does, to be restarted)."""
     settings = LLMSettings()
     configure_logging("llm", settings.log_level, settings.json_logs)
+    tracer_provider = init_tracing("llm", TracingSettings())
     serve_metrics(settings.metrics_port)
     server = await start_llm_server(settings)
     logging.getLogger(__name__).info("model %s ready on port %d", settings.model_name, server.port)
@@ -25,6 +27,8 @@ async def main() -> int:
         server.running, settings.grace_s, server.engine_failure(), ENGINE_FAILURE_GRACE_S
     )
     await server.stop()
+    if tracer_provider is not None:
+        tracer_provider.shutdown()  # exports the spans still queued
     return 0 if failure is None else 1
 
 

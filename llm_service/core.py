@@ -21,6 +21,7 @@ from llm_service.chat_request import ChatRequest, MediaInput
 from llm_service.context import fit_to_context
 from llm_service.engines.base import Engine, EngineRequest, GenerationDelta, MediaItem
 from llm_service.prompt import PromptBuilder
+from shared import tracing
 from shared.blob import BlobRules, EmbeddingBlob
 from shared.errors import IncompatibleEncoder, InvalidEmbedding, InvalidInput, ModelNotFound, clip
 from shared.keys import encoder_id_of_key
@@ -47,6 +48,8 @@ class LLMCore:
                 param="model",
             )
         media = request.media
+        keys = [item.key for item in media if item.key is not None]
+        tracing.annotate({tracing.MODEL: request.model, tracing.MEDIA_KEYS: keys})
         with metrics.REQUEST_STAGE_SECONDS.labels("media").time():
             blobs = await self._resolve_media(media)
         with metrics.REQUEST_STAGE_SECONDS.labels("prompt").time():
@@ -63,11 +66,15 @@ class LLMCore:
             engine_request.prompt_tokens, request.sampling, self.engine.max_model_len
         )
         submitted: float | None = time.perf_counter()
-        async for delta in self.engine.generate(engine_request):
-            if submitted is not None:
-                metrics.REQUEST_STAGE_SECONDS.labels("first_token").observe(time.perf_counter() - submitted)
-                submitted = None
-            yield delta
+        engine_attributes = {tracing.MODEL: self.model_name, "vlm.prompt_tokens": engine_request.prompt_tokens}
+        with tracing.step_span("engine generate", engine_attributes) as span:
+            async for delta in self.engine.generate(engine_request):
+                if submitted is not None:
+                    metrics.REQUEST_STAGE_SECONDS.labels("first_token").observe(time.perf_counter() - submitted)
+                    submitted = None
+                if delta.finish_reason is not None:
+                    span.set_attribute("vlm.completion_tokens", delta.completion_tokens)
+                yield delta
 
     async def _resolve_media(self, media: list[MediaInput]) -> list[EmbeddingBlob]:
         """Each item's validated blob, in order: cached, fetched in one round trip, or inline."""

@@ -28,6 +28,7 @@ from shared.grpc_errors import ErrorMappingInterceptor
 from shared.grpc_metrics import MetricsInterceptor
 from shared.grpc_wrap import StreamBehavior, UnaryBehavior, rewrap
 from shared.request_context import RequestContextInterceptor
+from shared.tracing import TracingInterceptor
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +69,15 @@ class ServerSecurity:
         return cls(token or None, pair)
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        """Outermost first: refuse strangers, then name the request, time it, map its errors."""
+        """Outermost first: refuse strangers, then name the request, trace it, time it, map its errors."""
         auth = [TokenAuthInterceptor(self.token)] if self.token else []
-        return [*auth, RequestContextInterceptor(), MetricsInterceptor(), ErrorMappingInterceptor()]
+        return [
+            *auth,
+            RequestContextInterceptor(),
+            TracingInterceptor(),
+            MetricsInterceptor(),
+            ErrorMappingInterceptor(),
+        ]
 
     def bind(self, server: grpc.aio.Server, address: str) -> int:
         if self.tls_key_pair is None:

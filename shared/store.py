@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import redis.asyncio as aioredis
+from opentelemetry.trace import SpanKind
 from prometheus_client import Counter, Histogram
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
@@ -24,6 +25,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from shared import tracing
 from shared.errors import TooLarge, Unavailable
 from shared.redis_urls import RedisTarget, parse_redis_url
 
@@ -57,11 +59,13 @@ class EmbeddingStore:
         self.target = parse_redis_url(config.url)
         self._redis = _connect(self.target, config)
 
-    async def _call(self, command: str, operation: Awaitable[T]) -> T:
+    async def _call(self, command: str, operation: Awaitable[T], keys: Sequence[str] = ()) -> T:
         started = time.perf_counter()
+        attributes = {"db.system": "redis", "db.operation.name": command, tracing.MEDIA_KEYS: list(keys)}
         try:
-            async with asyncio.timeout(self.config.op_timeout_s):
-                return await operation
+            with tracing.step_span(f"redis {command}", attributes, SpanKind.CLIENT):
+                async with asyncio.timeout(self.config.op_timeout_s):
+                    return await operation
         except (RedisError, OSError, TimeoutError) as error:
             REDIS_ERRORS.labels(type(error).__name__).inc()
             raise Unavailable(f"embedding store (Redis) is unavailable: {type(error).__name__}") from error
@@ -73,14 +77,14 @@ class EmbeddingStore:
         if not keys:
             return []
         if len(keys) == 1:  # the common case (one image): GET saves MGET's list handling (~0.01 ms)
-            return [await self._call("GET", _bytes_or_none(self._redis.get(keys[0])))]
+            return [await self._call("GET", _bytes_or_none(self._redis.get(keys[0])), keys)]
         if isinstance(self._redis, RedisCluster):  # one MGET per hash slot, as a cluster requires
-            return await self._call("MGET", _list_of_bytes(self._redis.mget_nonatomic(keys)))
-        return await self._call("MGET", _list_of_bytes(self._redis.mget(keys)))
+            return await self._call("MGET", _list_of_bytes(self._redis.mget_nonatomic(keys)), keys)
+        return await self._call("MGET", _list_of_bytes(self._redis.mget(keys)), keys)
 
     async def get_and_touch(self, key: str) -> bytes | None:
         """The blob under `key`, refreshing its TTL (GETEX), or None."""
-        return await self._call("GETEX", _bytes_or_none(self._redis.getex(key, ex=self.config.ttl_s)))
+        return await self._call("GETEX", _bytes_or_none(self._redis.getex(key, ex=self.config.ttl_s)), [key])
 
     async def put(self, key: str, data: bytes) -> None:
         """Stores a blob with the configured TTL."""
@@ -88,10 +92,10 @@ class EmbeddingStore:
             raise TooLarge(
                 f"embedding blob of {len(data)} bytes exceeds the store's limit of {self.config.max_value_bytes}"
             )
-        await self._call("SET", self._redis.set(key, data, ex=self.config.ttl_s))
+        await self._call("SET", self._redis.set(key, data, ex=self.config.ttl_s), [key])
 
     async def delete(self, key: str) -> None:
-        await self._call("DEL", self._redis.delete(key))
+        await self._call("DEL", self._redis.delete(key), [key])
 
     async def ping(self) -> bool:
         """True when Redis answers now."""

@@ -44,19 +44,27 @@ KEEPALIVE_TIMEOUT_MS = 5_000
 
 @dataclass(frozen=True)
 class ChannelConfig:
-    """How a client reaches a service: message size cap, shared token, TLS roots (PEM)."""
+    """How a client reaches a service: message size cap, shared token, TLS roots (PEM), and
+    interceptors of the async clients' calls (e.g. shared.tracing's, which sends the trace context)."""
 
     max_message_bytes: int = DEFAULT_GRPC_MAX_MESSAGE_BYTES
     token: str | None = None
     tls_root_certs: bytes | None = None
+    aio_interceptors: tuple[grpc.aio.ClientInterceptor, ...] = ()
 
     def open(self, target: str, *, aio: bool) -> grpc.Channel | grpc.aio.Channel:
         options = channel_options(self.max_message_bytes)
-        module = grpc.aio if aio else grpc
-        if self.tls_root_certs is None:
-            return module.insecure_channel(target, options=options)
-        credentials = grpc.ssl_channel_credentials(root_certificates=self.tls_root_certs)
-        return module.secure_channel(target, credentials, options=options)
+        credentials = (
+            None if self.tls_root_certs is None else grpc.ssl_channel_credentials(root_certificates=self.tls_root_certs)
+        )
+        if aio:
+            interceptors = list(self.aio_interceptors) or None
+            if credentials is None:
+                return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+            return grpc.aio.secure_channel(target, credentials, options=options, interceptors=interceptors)
+        if credentials is None:
+            return grpc.insecure_channel(target, options=options)
+        return grpc.secure_channel(target, credentials, options=options)
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, object]]:
