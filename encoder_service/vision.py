@@ -48,6 +48,36 @@ def read_vision_state_dict(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def preprocess_image(
+    processor: Qwen2VLImageProcessorPil,
+    image: Image.Image,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    param: str = "image",
+) -> Preprocessed:
+    """`image` resized into [min_pixels, max_pixels] (the processor's bounds by default) and patched
+    exactly as transformers' default `AutoProcessor` does; (pixel_values, grid_thw [1, 3]).
+
+    The one preprocessing path: the encoder serves with it and model_builders trains with it.
+    An image transformers cannot resize is InvalidInput naming `param`; bounds that break
+    0 < min <= max are the caller's bug (requests are checked by PixelPolicy first): ValueError.
+    """
+    low = int(processor.size["shortest_edge"]) if min_pixels is None else min_pixels
+    high = int(processor.size["longest_edge"]) if max_pixels is None else max_pixels
+    if low <= 0 or high < low:
+        raise ValueError(f"need 0 < min_pixels <= max_pixels, got min_pixels={low}, max_pixels={high}")
+    check_aspect_ratio(image.width, image.height, param)
+    factor = int(processor.patch_size) * int(processor.merge_size)
+    height, width = target_size(image.height, image.width, factor, low, high)
+    # Resampled as AutoProcessor's default processor does (pixels.py), then only rescaled,
+    # normalised and patched by the PIL processor.
+    resized = resize_like_autoprocessor(image, height, width)
+    out = processor(
+        images=[resized], size={"shortest_edge": low, "longest_edge": high}, do_resize=False, return_tensors="pt"
+    )
+    return out["pixel_values"], out["image_grid_thw"].to(torch.int64)
+
+
 class VisionEncoder:
     """Preprocesses PIL images and encodes batches of them into LM-space embeddings.
 
@@ -126,19 +156,7 @@ class VisionEncoder:
         An image transformers cannot resize is InvalidInput naming `param`; bounds that break
         0 < min <= max are the caller's bug (requests are checked by PixelPolicy first): ValueError.
         """
-        low = self.default_min_pixels if min_pixels is None else min_pixels
-        high = self.default_max_pixels if max_pixels is None else max_pixels
-        if low <= 0 or high < low:
-            raise ValueError(f"need 0 < min_pixels <= max_pixels, got min_pixels={low}, max_pixels={high}")
-        check_aspect_ratio(image.width, image.height, param)
-        height, width = target_size(image.height, image.width, self.resize_factor, low, high)
-        # Resampled as AutoProcessor's default processor does (pixels.py), then only rescaled,
-        # normalised and patched by the PIL processor.
-        resized = resize_like_autoprocessor(image, height, width)
-        out = self.processor(
-            images=[resized], size={"shortest_edge": low, "longest_edge": high}, do_resize=False, return_tensors="pt"
-        )
-        return out["pixel_values"], out["image_grid_thw"].to(torch.int64)
+        return preprocess_image(self.processor, image, min_pixels, max_pixels, param)
 
     def warm_up(self, pixels: int) -> None:
         """Encodes one synthetic image of about `pixels` (capped at the default max_pixels), result

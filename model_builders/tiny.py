@@ -120,8 +120,8 @@ CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
-def build_tokenizer() -> Qwen2Tokenizer:
-    """Train a byte-level BPE with Qwen2's pre-tokenizer and add Qwen2-VL's special tokens."""
+def build_tokenizer(corpus: str = CORPUS) -> Qwen2Tokenizer:
+    """Train a byte-level BPE on `corpus` with Qwen2's pre-tokenizer and add Qwen2-VL's special tokens."""
     raw = Tokenizer(models.BPE())
     raw.normalizer = normalizers.NFC()
     raw.pre_tokenizer = pre_tokenizers.Sequence(
@@ -135,7 +135,7 @@ def build_tokenizer() -> Qwen2Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    raw.train_from_iterator(CORPUS.splitlines(), trainer)
+    raw.train_from_iterator(corpus.splitlines(), trainer)
     trained = json.loads(raw.to_str())["model"]
     vocab: dict[str, int] = dict(trained["vocab"])
     for token in SPECIAL_TOKENS:  # in the vocab before Qwen2Tokenizer sees them, so ids stay in order

@@ -1,10 +1,12 @@
 """Runs the whole stack as processes: `python scripts/stack.py serve|demo`.
 
 serve: encoder, one LLM service per model, gateway; left running until Ctrl-C.
-demo:  the same on free ports, the fan-out scenario through the openai client, then stop.
-Checkpoints come from flags (a local dir or a hub id); without flags, the tiny
-test checkpoints are built under ./checkpoints. A Redis is started when none
-answers on --redis-url (a loopback URL) and stopped at exit.
+demo:  the same on free ports, a few shapes images asked of each model through the openai
+       client (scripts/demo.py), a table of the answers, then stop.
+Checkpoints come from flags (a local dir or a hub id); without flags, the trained shapes family
+(models/shapes: color, count, shape); `--tiny` builds the random test checkpoints under
+./checkpoints instead (answers are gibberish). Services log to files under run/logs/. A Redis
+is started when none answers on --redis-url (a loopback URL) and stopped at exit.
 
 `start()` is the one way to launch the stack as processes; the process tests
 (tests/process_stack.py) use it too, and signal or restart its services.
@@ -37,8 +39,12 @@ import redis
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from model_builders.shapes import trained_family  # noqa: E402
 from model_builders.tiny import build_all  # noqa: E402
+from scripts.demo import format_table, run_demo  # noqa: E402
 from scripts.fanout import demo_image, run_fanout  # noqa: E402
+
+RUN_DIR = REPO / "run"
 
 
 def free_port() -> int:
@@ -243,6 +249,7 @@ class StackConfig:
     env: dict[str, str] = field(default_factory=dict)  # more settings, for every service (each reads its prefix)
     log_dir: Path | None = None  # each service's output to <log_dir>/<name>.log
     tied_to_parent: bool = False  # children die with this process, so a killed test run leaks none
+    progress: bool = False  # print a line every 10 s while waiting for the stack (a person watches)
 
 
 @dataclass
@@ -267,14 +274,19 @@ def launch(name: str, module: str, env: dict[str, str], port: int, metrics_port:
     return service
 
 
-def wait_healthy(base_url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+def wait_healthy(base_url: str, timeout_s: float, progress: bool = False) -> None:
+    """Until the gateway's /health says every backend serves; with `progress`, a line every 10 s."""
+    started = time.monotonic()
+    next_report = started + 10
+    while time.monotonic() < started + timeout_s:
         try:
             if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
+        if progress and time.monotonic() >= next_report:
+            print(f"  still starting ({time.monotonic() - started:.0f} s)", flush=True)
+            next_report += 10
         time.sleep(0.5)
     raise SystemExit(f"stack not healthy after {timeout_s}s")
 
@@ -306,7 +318,7 @@ def start(config: StackConfig, stack: ExitStack) -> RunningStack:
     supervisor = Supervisor([encoder, *llms.values(), gateway]).start()
     stack.callback(supervisor.stop)
     base_url = f"http://127.0.0.1:{gateway_port}"
-    wait_healthy(base_url, config.start_timeout_s)
+    wait_healthy(base_url, config.start_timeout_s, config.progress)
     return RunningStack(base_url, encoder, llms, gateway, supervisor)
 
 
@@ -326,16 +338,24 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     parser.add_argument("--encoder-checkpoint", default=os.environ.get("ENCODER_CHECKPOINT", ""))
     parser.add_argument("--models", default=os.environ.get("MODELS", ""), help="name=checkpoint,name=checkpoint")
-    parser.add_argument("--checkpoints-dir", type=Path, default=REPO / "checkpoints")
+    parser.add_argument("--tiny", action="store_true", help="the random tiny checkpoints instead of the trained family")
+    parser.add_argument("--checkpoints-dir", type=Path, default=REPO / "checkpoints", help="where --tiny builds")
+    parser.add_argument("--log-dir", type=Path, default=RUN_DIR / "logs", help="one <service>.log each")
+    parser.add_argument("--images-dir", type=Path, default=RUN_DIR / "demo-images", help="demo: images saved here")
     parser.add_argument("--start-timeout-s", type=float, default=300)
     args = parser.parse_args()
     args.env = {}
     if not args.encoder_checkpoint or not args.models:
         # Tiny models need a tiny vLLM KV cache: its default takes most of the machine's RAM.
         args.env = {"LLM_KV_CACHE_GIB": "1", "LLM_MAX_MODEL_LEN": "2048"}
-        built = build_all(args.checkpoints_dir)
+        if args.tiny:
+            built = build_all(args.checkpoints_dir)
+            default_models = f"ft-a={built['ft-a']},ft-b={built['ft-b']}"
+        else:
+            built = trained_family()
+            default_models = ",".join(f"{name}={built[name]}" for name in ("color", "count", "shape"))
         args.encoder_checkpoint = args.encoder_checkpoint or str(built["base"])
-        args.models = args.models or f"ft-a={built['ft-a']},ft-b={built['ft-b']}"
+        args.models = args.models or default_models
     args.models = dict(item.split("=", 1) for item in args.models.split(","))
     return args
 
@@ -346,18 +366,34 @@ def main() -> None:
         ports = Ports(encoder=50051, llm=50061, gateway=int(os.environ.get("GATEWAY_PORT", "8000")), metrics=9090)
     else:
         ports = Ports()
-    config = StackConfig(args.redis_url, args.encoder_checkpoint, args.models, ports, args.start_timeout_s, args.env)
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    config = StackConfig(args.redis_url, args.encoder_checkpoint, args.models, ports, args.start_timeout_s, args.env,
+                         log_dir=args.log_dir, progress=True)  # fmt: skip
+    models = list(args.models)
+    print(f"starting the encoder, {len(models)} LLM services ({', '.join(models)}) and the gateway", flush=True)
+    print(f"service logs: {args.log_dir}/<service>.log", flush=True)
     with ExitStack() as stack:
+        started = time.monotonic()
         running = start(config, stack)
+        print(f"stack ready in {time.monotonic() - started:.0f} s", flush=True)
         if args.command == "serve":
-            print(f"serving: {running.base_url}/v1 (models: {', '.join(args.models)}); Ctrl-C stops", flush=True)
+            print(f"serving: {running.base_url}/v1 (models: {', '.join(models)}); Ctrl-C stops", flush=True)
             wait_for_stop_signal()
             running.supervisor.stop()
-            return
-        report = run_fanout(running.base_url, running.encoder.target, demo_image(), list(args.models))
-        for answer in report.answers:
-            print(f"[{answer.model}] {answer.question} -> {answer.text!r}")
-        print(f"images encoded by the encoder: {report.images_encoded} (cache hits: {report.cache_hits})", flush=True)
+        elif set(models) <= {"color", "count", "shape"}:
+            report = run_demo(running.base_url, running.encoder.target, models, args.images_dir)
+            print(format_table(report, models))
+            print(f"images saved in {args.images_dir}")
+            print(
+                f"images encoded by the encoder: {report.images_encoded} (cache hits: {report.cache_hits})", flush=True
+            )
+        else:  # other checkpoints: generic questions about one drawn picture
+            fanout = run_fanout(running.base_url, running.encoder.target, demo_image(), models)
+            for answer in fanout.answers:
+                print(f"[{answer.model}] {answer.question} -> {answer.text!r}")
+            print(
+                f"images encoded by the encoder: {fanout.images_encoded} (cache hits: {fanout.cache_hits})", flush=True
+            )
 
 
 if __name__ == "__main__":

@@ -179,9 +179,13 @@ def log_tails(log_dir: Path, lines: int = 15) -> str:
 
 @contextmanager
 def process_stack(
-    checkpoints: dict[str, Path], workdir: Path, env: dict[str, str] | None = None
+    checkpoints: dict[str, Path],
+    workdir: Path,
+    env: dict[str, str] | None = None,
+    models: tuple[str, ...] = ("ft-a", "ft-b"),
 ) -> Iterator[ProcessStack]:
-    """Redis, encoder, ft-a and ft-b LLM services and the gateway as processes; all killed at exit."""
+    """Redis, the encoder (on checkpoints["base"]), one LLM service per name in `models` and the
+    gateway as processes; all killed at exit."""
     (workdir / "redis").mkdir(parents=True, exist_ok=True)
     logs = workdir / "logs"
     logs.mkdir(exist_ok=True)
@@ -190,7 +194,7 @@ def process_stack(
     config = StackConfig(
         redis_url=redis_server.url,
         encoder_checkpoint=str(checkpoints["base"]),
-        models={name: str(checkpoints[name]) for name in ("ft-a", "ft-b")},
+        models={name: str(checkpoints[name]) for name in models},
         ports=Ports(metrics=0),
         start_timeout_s=240,
         env={**TEST_ENV, **(env or {})},

@@ -1,5 +1,6 @@
-"""`make demo` as a test: real processes (encoder, two LLM services, gateway), the
-official openai client, and the encoder's own count of images encoded."""
+"""`make demo` as a test: real processes (encoder, the three trained fine-tunes, gateway), the
+official openai client, and the encoder's own count of images encoded. Its terminal output is for
+a person: progress, then the table; the services' logs go to files."""
 
 from __future__ import annotations
 
@@ -13,9 +14,7 @@ from tests.harness import RedisServer
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_demo_asks_six_questions_and_encodes_the_image_once(
-    checkpoints: dict[str, Path], redis_server: RedisServer
-) -> None:
+def test_demo_shows_each_images_answers_and_encodes_each_image_once(redis_server: RedisServer, tmp_path: Path) -> None:
     completed = subprocess.run(
         [
             sys.executable,
@@ -23,15 +22,26 @@ def test_demo_asks_six_questions_and_encodes_the_image_once(
             "demo",
             "--redis-url",
             redis_server.url,
-            "--checkpoints-dir",
-            str(checkpoints["base"].parent),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--images-dir",
+            str(tmp_path / "images"),
         ],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=540,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
-    answers = re.findall(r"^\[(ft-a|ft-b)\] (.+?) -> (.+)$", completed.stdout, flags=re.M)
-    assert len(answers) == 6 and {model for model, _, _ in answers} == {"ft-a", "ft-b"}
-    assert "images encoded by the encoder: 1 (cache hits: 5)" in completed.stdout
+    out = completed.stdout
+    rows = re.findall(
+        r"^(\d\d-\S+\.png)\s+(\d) (red|green|blue|yellow) (circle|square|triangle)s?\s+(.+)$", out, flags=re.M
+    )
+    assert len(rows) == 6, out
+    for name, *_, answers in rows:
+        assert (tmp_path / "images" / name).is_file()
+        assert len(answers.split()) >= 3  # one answer per model (a wrong one is marked, not dropped)
+    assert "images encoded by the encoder: 6 (cache hits: 12)" in out
+    # The logs went to files, not to the person's terminal.
+    assert {p.name for p in (tmp_path / "logs").glob("*.log")} >= {"encoder.log", "color.log", "gateway.log"}
+    assert len(out.splitlines()) < 60 and "INFO" not in out, out

@@ -1,0 +1,129 @@
+"""Train the tiny shapes family: `python -m model_builders.shapes --out models/shapes`.
+
+Deterministic (fixed seeds, fixed step counts, two threads). Writes base, color, count and shape
+checkpoints sharing one tower file, and TRAINING.json with the seeds, steps, times and the
+held-out accuracies. The stage-1 tower is cached in build/ so the language stages can be rerun
+alone (`--reuse-tower`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import platform
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import Qwen2VLForConditionalGeneration
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from model_builders.shapes.family import build_family_tokenizer, family_config, save_member
+from model_builders.shapes.task import TASKS
+from model_builders.shapes.train_language import PromptIds, encoded_dataset, exact_match, train_language
+from model_builders.shapes.train_tower import train_tower
+from model_builders.tiny import preprocessor_config
+from shared.encoder_id import compute_encoder_id
+
+log = logging.getLogger("model_builders.shapes")
+SEEDS = {
+    "init": 0,
+    "tower": 1,
+    "language_data": 2,
+    "held_out": 3,
+    "base": 4,
+    "color": 5,
+    "count": 6,
+    "shape": 7,
+    "tower_rows": 8,
+}
+TOWER_CACHE = Path("build/shapes-stage1-tower.pt")
+
+
+def round_to_shipped(model: torch.nn.Module) -> None:
+    """Round every weight to bfloat16 and back: train on from here with what the checkpoint holds."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(torch.bfloat16).float())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("models/shapes"))
+    parser.add_argument("--tower-steps", type=int, default=1300)
+    parser.add_argument("--base-steps", type=int, default=500)
+    parser.add_argument("--finetune-steps", type=int, default=200)
+    parser.add_argument("--language-images", type=int, default=2500)
+    parser.add_argument("--reuse-tower", action="store_true", help="load the stage-1 tower from build/")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.set_num_threads(2)
+    torch.manual_seed(SEEDS["init"])
+    report: dict = {"seeds": SEEDS, "steps": vars(args) | {"out": str(args.out)}, "seconds": {}, "accuracy": {}}
+    report["versions"] = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+    tokenizer = build_family_tokenizer()
+    model = Qwen2VLForConditionalGeneration(family_config(tokenizer)).float()
+    preprocessor = preprocessor_config()
+    processor = Qwen2VLImageProcessorPil(**preprocessor)
+
+    started = time.monotonic()
+    if args.reuse_tower:
+        cached = torch.load(TOWER_CACHE, weights_only=True)
+        if cached["tower_steps"] != args.tower_steps:  # a cache of another recipe (a smoke run) is no substitute
+            raise SystemExit(f"{TOWER_CACHE} holds a {cached['tower_steps']}-step tower, not {args.tower_steps}")
+        model.model.visual.load_state_dict(cached["state"])
+    else:
+        report["accuracy"]["tower"] = train_tower(
+            model.model.visual, processor, args.tower_steps, batch_size=32, seed=SEEDS["tower"], peak_lr=1.5e-3,
+            row_weight=0.0, warmup=200,
+        )  # fmt: skip
+        TOWER_CACHE.parent.mkdir(exist_ok=True)
+        torch.save({"tower_steps": args.tower_steps, "state": model.model.visual.state_dict()}, TOWER_CACHE)
+    round_to_shipped(model.model.visual)
+    report["seconds"]["tower"] = round(time.monotonic() - started)
+
+    started = time.monotonic()
+    tower = model.model.visual.eval()
+    train_data = encoded_dataset(tower, processor, SEEDS["language_data"], args.language_images)
+    held_out = encoded_dataset(tower, processor, SEEDS["held_out"], 300)
+    report["seconds"]["encode_language_data"] = round(time.monotonic() - started)
+    ids = PromptIds(tokenizer)
+
+    started = time.monotonic()
+    train_language(model, ids, train_data, None, args.base_steps, SEEDS["base"], peak_lr=2e-3)
+    round_to_shipped(model)
+    report["seconds"]["base"] = round(time.monotonic() - started)
+    report["accuracy"]["base"] = {task: exact_match(model, ids, held_out, task, task) for task in TASKS}
+    log.info("base held-out %s", report["accuracy"]["base"])
+    save_member(model, tokenizer, preprocessor, args.out, "base")
+
+    for name in TASKS:
+        started = time.monotonic()
+        finetune = copy.deepcopy(model)
+        train_language(finetune, ids, train_data, name, args.finetune_steps, SEEDS[name], peak_lr=1e-3)
+        round_to_shipped(finetune)
+        report["seconds"][name] = round(time.monotonic() - started)
+        report["accuracy"][name] = {f"asked {q}": exact_match(finetune, ids, held_out, name, q) for q in TASKS}
+        log.info("%s held-out %s", name, report["accuracy"][name])
+        save_member(finetune, tokenizer, preprocessor, args.out, name)
+
+    report["encoder_id"] = {name: compute_encoder_id(args.out / name) for name in ["base", *TASKS]}
+    report["bytes"] = {
+        str(p.relative_to(args.out)): p.stat().st_size
+        for p in sorted(args.out.rglob("*.safetensors"))
+        if not p.is_symlink()
+    }
+    (args.out / "TRAINING.json").write_text(json.dumps(report, indent=2) + "\n")
+    log.info("done: %s", json.dumps(report["accuracy"]))
+
+
+if __name__ == "__main__":
+    main()
