@@ -131,12 +131,12 @@ def test_configured_logging_writes_json_lines_with_the_lines_own_fields(capsys: 
     saved = root.handlers[:], root.level
     try:
         configure_logging("gateway", "INFO", True)
-        logging.getLogger("vllm.anything").info("from vllm", extra={"fields": {"tokens_in": 3, "level": "nope"}})
+        logging.getLogger("gateway.anything").info("from gateway", extra={"fields": {"tokens_in": 3, "level": "nope"}})
     finally:
         root.handlers[:], root.level = saved[0], saved[1]
     # Services of the session stack may log meanwhile, from their threads: only this line counts.
-    (line,) = [json.loads(text) for text in capsys.readouterr().err.splitlines() if "vllm.anything" in text]
-    assert (line["service"], line["message"], line["tokens_in"]) == ("gateway", "from vllm", 3)
+    (line,) = [json.loads(text) for text in capsys.readouterr().err.splitlines() if "gateway.anything" in text]
+    assert (line["service"], line["message"], line["tokens_in"]) == ("gateway", "from gateway", 3)
     assert line["level"] == "INFO"  # a line's own fields never replace the standard ones
 
 
