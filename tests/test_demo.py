@@ -26,11 +26,14 @@ def test_demo_shows_each_images_answers_and_encodes_each_image_once(redis_server
             str(tmp_path / "logs"),
             "--images-dir",
             str(tmp_path / "images"),
+            # Three vLLM engines start at once on the test machine's two cores.
+            "--start-timeout-s",
+            "450",
         ],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=540,
+        timeout=580,  # under pytest's 600 s, so a hang reports its output
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     out = completed.stdout
