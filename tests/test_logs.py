@@ -32,9 +32,15 @@ REPO = Path(__file__).resolve().parent.parent
 VLLM_TEXT_LINE = re.compile(r"^(\(\S+ pid=\d+\) )?(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d ")
 
 
+def _parsed(stream: io.StringIO) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in stream.getvalue().splitlines()]
+
+
 @contextmanager
-def gateway_lines() -> Iterator[list[dict[str, Any]]]:
-    """The JSON lines the gateway's loggers write meanwhile, as the service's handler writes them."""
+def gateway_lines(*awaited: str) -> Iterator[list[dict[str, Any]]]:
+    """The JSON lines the gateway's loggers write meanwhile, as the service's handler writes them.
+    The gateway writes a request's summary after the response has gone out, so the client can
+    return first: on exit this waits (up to 10 s) for the summary of each request id in `awaited`."""
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter("gateway"))
@@ -45,10 +51,13 @@ def gateway_lines() -> Iterator[list[dict[str, Any]]]:
     lines: list[dict[str, Any]] = []
     try:
         yield lines
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(summaries(_parsed(stream), rid) for rid in awaited):
+            time.sleep(0.02)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-        lines.extend(json.loads(line) for line in stream.getvalue().splitlines())
+        lines.extend(_parsed(stream))
 
 
 def summaries(lines: list[dict[str, Any]], request_id: str) -> list[dict[str, Any]]:
@@ -62,7 +71,7 @@ def test_a_chat_writes_one_summary_line_and_every_line_names_the_request(stack: 
         "model": "ft-b", "max_tokens": 3, "temperature": 0, "not_an_openai_field": 1,
         "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "hi"}]}],
     }  # fmt: skip
-    with gateway_lines() as lines:
+    with gateway_lines("logs-chat-1") as lines:
         response = httpx.post(
             f"{stack.base_url}/v1/chat/completions", json=body, headers={"x-request-id": "logs-chat-1"}, timeout=120
         )
@@ -82,7 +91,7 @@ def test_a_chat_writes_one_summary_line_and_every_line_names_the_request(stack: 
 def test_a_streamed_chat_and_a_failed_one_are_summarised_once_each(stack: Stack) -> None:
     body = {"model": "ft-a", "max_tokens": 4, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": "hello"}]}  # fmt: skip
-    with gateway_lines() as lines:
+    with gateway_lines("logs-stream-1", "logs-404") as lines:
         with httpx.stream(
             "POST", f"{stack.base_url}/v1/chat/completions", json=body, headers={"x-request-id": "logs-stream-1"},
             timeout=120,
