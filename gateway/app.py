@@ -134,7 +134,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         """Readiness: 503 while the encoder is not SERVING. Every model's LLM services are asked
         too, and a model none of whose services is SERVING is named (status `degraded`), but it
         keeps the gateway ready: it answers 503 by itself, and must not take the gateway, and
-        every other model, out of the Service (see Backends.ready)."""
+        every other model, out of the Service."""
         backends: Backends = request.app.state.backends
         serving = await backends.health()
         encoder_ready = serving[backends.encoder.target]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -90,14 +91,11 @@ class Backends:
         return self._model_info[model]
 
     async def health(self) -> dict[str, bool]:
-        """SERVING state of every backend, by target."""
-        targets = {self.encoder.target, *(c.target for clients in self._models.values() for c in clients)}
-        return {target: await self._is_serving(target) for target in sorted(targets)}
-
-    async def ready(self) -> bool:
-        """The encoder reports SERVING. A model with no live service is left out of readiness:
-        it answers 503 on its own, and must not take the gateway (and every other model) down."""
-        return await self._is_serving(self.encoder.target)
+        """SERVING state of every backend, by target. Asked all at once: a backend that hangs
+        costs its 1 s timeout once, not once per backend ahead of it, so /readyz answers within
+        the probe's timeout however many backends hang."""
+        targets = sorted({self.encoder.target, *(c.target for clients in self._models.values() for c in clients)})
+        return dict(zip(targets, await asyncio.gather(*map(self._is_serving, targets)), strict=True))
 
     async def close(self) -> None:
         await self.encoder.close()

@@ -6,17 +6,22 @@ with an LLM service killed, in test_gateway_reconnect."""
 
 from __future__ import annotations
 
+import socket
+import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 import grpc
 import httpx
+import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from tests.harness import BackgroundLoop, free_port, start_gateway
 
+REPO = Path(__file__).resolve().parent.parent
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -80,3 +85,38 @@ def test_readyz_names_the_backends_that_are_not_serving(background_loop: Backgro
     finally:
         for server, _ in servers.values():
             background_loop.run(server.stop(None))
+
+
+@contextmanager
+def _silent_listener() -> Iterator[str]:
+    """A port that accepts connections (the kernel completes them) and never says a word: a hung
+    backend, whose health check can only time out."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(16)
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def _readiness_probe_timeout_s() -> float:
+    yaml = pytest.importorskip("yaml", reason="PyYAML reads the gateway's manifest")
+    documents = yaml.safe_load_all((REPO / "deploy/base/gateway.yaml").read_text())
+    (deployment,) = [d for d in documents if d and d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return float(container["readinessProbe"]["timeoutSeconds"])
+
+
+def test_readyz_answers_within_the_probe_timeout_however_many_backends_hang(background_loop: BackgroundLoop) -> None:
+    """Each hung backend costs a 1 s health check; asked one after another, four would outlast the
+    kubelet's probe and take the whole gateway out of the Service for models that are down."""
+    encoder, encoder_address = background_loop.run(_health_server(SERVING))
+    try:
+        with ExitStack() as stack:
+            hung = {f"hung-{i}": [stack.enter_context(_silent_listener())] for i in range(4)}
+            with _gateway(background_loop, encoder_address, hung) as base_url:
+                started = time.monotonic()
+                ready = httpx.get(f"{base_url}/readyz", timeout=30)
+                took = time.monotonic() - started
+        assert (ready.status_code, ready.json()["models_not_ready"]) == (200, sorted(hung))
+        assert took < _readiness_probe_timeout_s(), f"/readyz took {took:.1f} s"
+    finally:
+        background_loop.run(encoder.stop(None))
