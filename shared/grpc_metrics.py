@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
-from shared.grpc_wrap import StreamBehavior, UnaryBehavior, rewrap
+from shared.grpc_wrap import within
 
 _CALL = ["grpc_service", "grpc_method", "grpc_type"]
 RPC_HANDLED = Counter("grpc_server_handled_total", "RPCs completed, by method and status code.", [*_CALL, "grpc_code"])
@@ -76,23 +76,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         labels = call_labels(handler_call_details.method, handler)
-
-        def wrap_unary(behavior: UnaryBehavior) -> UnaryBehavior:
-            async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                with _Observed(labels, context):
-                    return await behavior(request, context)
-
-            return wrapper
-
-        def wrap_stream(behavior: StreamBehavior) -> StreamBehavior:
-            async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                with _Observed(labels, context):
-                    async for item in behavior(request, context):
-                        yield item
-
-            return wrapper
-
-        return rewrap(handler, wrap_unary, wrap_stream)
+        return within(handler, lambda context: _Observed(labels, context))
 
 
 def serve_metrics(port: int) -> None:

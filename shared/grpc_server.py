@@ -26,7 +26,7 @@ from shared import readiness
 from shared.grpc_auth import TokenAuthInterceptor
 from shared.grpc_errors import ErrorMappingInterceptor
 from shared.grpc_metrics import MetricsInterceptor
-from shared.grpc_wrap import StreamBehavior, UnaryBehavior, rewrap
+from shared.grpc_wrap import within
 from shared.request_context import RequestContextInterceptor
 from shared.tracing import TracingInterceptor
 
@@ -128,22 +128,7 @@ class InFlight(grpc.aio.ServerInterceptor):
         if handler_call_details.method in OPEN_ENDED_METHODS:
             return handler
 
-        def wrap_unary(behavior: UnaryBehavior) -> UnaryBehavior:
-            async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                with self._counted():
-                    return await behavior(request, context)
-
-            return wrapper
-
-        def wrap_stream(behavior: StreamBehavior) -> StreamBehavior:
-            async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                with self._counted():
-                    async for item in behavior(request, context):
-                        yield item
-
-            return wrapper
-
-        return rewrap(handler, wrap_unary, wrap_stream)
+        return within(handler, lambda _context: self._counted())
 
 
 @dataclass

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import grpc
 
 UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 StreamBehavior = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+# Made per call from its context; entered as the call starts, left as it ends, with the error it
+# ended with (a stream's client going away ends it with CancelledError or GeneratorExit).
+CallScope = Callable[[grpc.aio.ServicerContext], AbstractContextManager[Any]]
 
 
 def rewrap(
@@ -34,6 +38,27 @@ def rewrap(
         wrapped = wrap_stream(behavior) if inspect.isasyncgenfunction(behavior) else wrap_unary(behavior)
         return grpc.unary_stream_rpc_method_handler(wrapped, **serializers)
     return handler
+
+
+def within(handler: grpc.RpcMethodHandler | None, scope: CallScope) -> grpc.RpcMethodHandler | None:
+    """The same handler with every call, unary or streamed, run inside `scope(context)`."""
+
+    def wrap_unary(behavior: UnaryBehavior) -> UnaryBehavior:
+        async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            with scope(context):
+                return await behavior(request, context)
+
+        return wrapper
+
+    def wrap_stream(behavior: StreamBehavior) -> StreamBehavior:
+        async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            with scope(context):
+                async for item in behavior(request, context):
+                    yield item
+
+        return wrapper
+
+    return rewrap(handler, wrap_unary, wrap_stream)
 
 
 class WrappingInterceptor(grpc.aio.ServerInterceptor):

@@ -27,7 +27,7 @@ from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.grpc_metrics import call_labels, status_name
-from shared.grpc_wrap import StreamBehavior, UnaryBehavior, rewrap
+from shared.grpc_wrap import within
 
 TRACER = trace.get_tracer("vlm_encode_once")
 # Attribute names of ours, beside OpenTelemetry's semantic conventions (rpc.*, db.*, http.*).
@@ -139,6 +139,19 @@ def _end(span: Span, context: grpc.aio.ServicerContext, error: BaseException | N
         span.set_status(Status(StatusCode.ERROR, code))
 
 
+@contextmanager
+def _traced_call(method: str, labels: tuple[str, str, str], context: grpc.aio.ServicerContext) -> Iterator[None]:
+    with _server_span(method, labels, context) as span:
+        error: BaseException | None = None
+        try:
+            yield
+        except BaseException as raised:
+            error = raised
+            raise
+        finally:
+            _end(span, context, error)
+
+
 class TracingInterceptor(grpc.aio.ServerInterceptor):
     """A SERVER span per call, the child of the caller's span when it sent `traceparent`."""
 
@@ -153,36 +166,7 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         labels = call_labels(method, handler)
 
-        def wrap_unary(behavior: UnaryBehavior) -> UnaryBehavior:
-            async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                with _server_span(method, labels, context) as span:
-                    error: BaseException | None = None
-                    try:
-                        return await behavior(request, context)
-                    except BaseException as raised:
-                        error = raised
-                        raise
-                    finally:
-                        _end(span, context, error)
-
-            return wrapper
-
-        def wrap_stream(behavior: StreamBehavior) -> StreamBehavior:
-            async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                with _server_span(method, labels, context) as span:
-                    error: BaseException | None = None
-                    try:
-                        async for item in behavior(request, context):
-                            yield item
-                    except BaseException as raised:
-                        error = raised
-                        raise
-                    finally:
-                        _end(span, context, error)
-
-            return wrapper
-
-        return rewrap(handler, wrap_unary, wrap_stream)
+        return within(handler, lambda context: _traced_call(method, labels, context))
 
 
 def _with_trace_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
