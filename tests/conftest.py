@@ -21,10 +21,12 @@ from fastapi import FastAPI
 from openai import OpenAI
 
 from gateway.app import create_app
+from shared.grpc_metrics import serve_metrics
 from tests.harness import (
     BackgroundLoop,
     RedisServer,
     Stack,
+    free_port,
     gateway_settings_for,
     start_gateway,
     start_stack,
@@ -91,6 +93,15 @@ def stack(checkpoints: dict[str, Path], redis_server: RedisServer, background_lo
     running = background_loop.run(start_stack(checkpoints, redis_server, MODELS))
     yield running
     background_loop.run(stop_stack(running))
+
+
+@pytest.fixture(scope="session")
+def metrics_url() -> str:
+    """/metrics of this process, served as each service's __main__ serves it (the test stack's
+    services run in this process)."""
+    port = free_port()
+    serve_metrics(port)
+    return f"http://127.0.0.1:{port}/metrics"
 
 
 @pytest.fixture

@@ -19,10 +19,10 @@ from pathlib import Path
 import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from scripts.stack import Ports, RunningStack, Service, StackConfig, start
 from tests.harness import RedisServer
+from tests.metrics_text import metric_sum, scrape
 
 GENERATE = "/llm.v1.LLMService/Generate"
 # Settings every process-stack test wants: the reference engine, plain-text logs, and a drain long
@@ -140,13 +140,7 @@ class ProcessStack:
 
     def metric(self, name: str, sample: str, **labels: str) -> float:
         """Sum of the samples called `sample` whose labels include `labels`, from the service's /metrics."""
-        text = httpx.get(self.metrics_url(name), timeout=5).text
-        return sum(
-            s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-            if s.name == sample and labels.items() <= s.labels.items()
-        )
+        return metric_sum(scrape(self.metrics_url(name)), sample, **labels)
 
     def rss_bytes(self, name: str) -> int:
         """Resident memory of the service process now (VmRSS)."""

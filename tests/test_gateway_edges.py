@@ -9,12 +9,10 @@ that leaves before the response head gives its admission slot back."""
 from __future__ import annotations
 
 import base64
-import http.server
 import io
 import json
 import socket
 import struct
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -31,6 +29,7 @@ from llm_service.core import LLMCore
 from llm_service.server import LLMServer, start_llm_server
 from llm_service.settings import LLMSettings
 from tests.harness import BackgroundLoop, Stack, gateway_settings_for, start_gateway
+from tests.http_server import QuietHandler, serving
 from tests.images import png_bytes
 
 KEY = {"Authorization": "Bearer test-key-1"}
@@ -241,7 +240,7 @@ def test_round_robin_takes_turns_and_passes_over_a_dead_service(
 def slow_image_server(delay_s: float) -> Iterator[str]:
     """Serves a PNG per path after `delay_s`, so a chat request that names one cannot answer sooner."""
 
-    class Handler(http.server.BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
             time.sleep(delay_s)
             image = png_bytes(sum(self.path.encode()))
@@ -251,15 +250,8 @@ def slow_image_server(delay_s: float) -> Iterator[str]:
             self.end_headers()
             self.wfile.write(image)
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
+    with serving(Handler) as base_url:
+        yield base_url
 
 
 def _leave_before_the_head(base_url: str, body: dict[str, Any], after_s: float) -> None:

@@ -10,32 +10,16 @@ import re
 from pathlib import Path
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.grpc_metrics import serve_metrics
 from shared.sdk import EncoderClient, ImageKey, LLMClient, Message, Sampling
-from tests.harness import Stack, free_port
+from tests.harness import Stack
 from tests.images import png_bytes
-
-
-@pytest.fixture(scope="module")
-def metrics_url() -> str:
-    """/metrics of this process, served as each service's __main__ serves it (the test stack's
-    services run in this process)."""
-    port = free_port()
-    serve_metrics(port)
-    return f"http://127.0.0.1:{port}/metrics"
+from tests.metrics_text import metric_sum, scrape
 
 
 def _sample(url: str, name: str, **labels: str) -> float:
-    """The sum of the samples `name` whose labels include `labels` (0 when there is none)."""
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(httpx.get(url, timeout=5).text)
-        for sample in family.samples
-        if sample.name == name and labels.items() <= sample.labels.items()
-    )
+    return metric_sum(scrape(url), name, **labels)
 
 
 def test_grpc_server_metrics_name_service_method_and_call_type(stack: Stack, metrics_url: str) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import re
 
 import httpx
 from openai import OpenAI
@@ -15,17 +14,7 @@ from shared.grpc_metrics import serve_metrics
 from shared.logging_setup import JsonFormatter
 from tests.harness import Stack, free_port
 from tests.images import data_url, png_bytes
-
-
-def _sample(metrics_text: str, name: str, **labels: str) -> float:
-    """The value of one sample in Prometheus text format (0 when absent)."""
-    for line in metrics_text.splitlines():
-        series, _, value = line.rpartition(" ")
-        metric, _, label_text = series.partition("{")
-        found = dict(re.findall(r'(\w+)="([^"]*)"', label_text))
-        if metric == name and found == labels:
-            return float(value)
-    return 0.0
+from tests.metrics_text import metric_sum
 
 
 def test_metrics_count_requests_encodes_and_rpcs(stack: Stack, openai_client: OpenAI) -> None:
@@ -38,10 +27,10 @@ def test_metrics_count_requests_encodes_and_rpcs(stack: Stack, openai_client: Op
     after = httpx.get(f"{stack.base_url}/metrics").text
     route = {"route": "/v1/chat/completions", "status": "200"}
     assert (
-        _sample(after, "gateway_http_requests_total", **route)
-        == _sample(before, "gateway_http_requests_total", **route) + 1
+        metric_sum(after, "gateway_http_requests_total", **route)
+        == metric_sum(before, "gateway_http_requests_total", **route) + 1
     )
-    assert _sample(after, "encoder_images_encoded_total") == _sample(before, "encoder_images_encoded_total") + 1
+    assert metric_sum(after, "encoder_images_encoded_total") == metric_sum(before, "encoder_images_encoded_total") + 1
     generate = {
         "grpc_service": "llm.v1.LLMService",
         "grpc_method": "/llm.v1.LLMService/Generate",
@@ -49,17 +38,17 @@ def test_metrics_count_requests_encodes_and_rpcs(stack: Stack, openai_client: Op
         "grpc_code": "OK",
     }
     assert (
-        _sample(after, "grpc_server_handled_total", **generate)
-        >= _sample(before, "grpc_server_handled_total", **generate) + 1
+        metric_sum(after, "grpc_server_handled_total", **generate)
+        >= metric_sum(before, "grpc_server_handled_total", **generate) + 1
     )
-    assert _sample(after, "gateway_ttft_seconds_count", model="ft-a") >= 1
+    assert metric_sum(after, "gateway_ttft_seconds_count", model="ft-a") >= 1
     # The gateway's own stages and the LLM service's stages, one observation each for this chat.
     for name, stage in [("gateway_request_stage_seconds_count", stage) for stage in ("prepare", "relay")] + [
         ("llm_request_stage_seconds_count", stage) for stage in ("media", "prompt", "first_token", "stream")
     ]:
-        assert _sample(after, name, stage=stage) == _sample(before, name, stage=stage) + 1, (name, stage)
-    assert _sample(after, "gateway_completion_tokens_total", model="ft-a") >= 3
-    assert _sample(after, "gateway_time_per_output_token_seconds_count", model="ft-a") >= 1
+        assert metric_sum(after, name, stage=stage) == metric_sum(before, name, stage=stage) + 1, (name, stage)
+    assert metric_sum(after, "gateway_completion_tokens_total", model="ft-a") >= 3
+    assert metric_sum(after, "gateway_time_per_output_token_seconds_count", model="ft-a") >= 1
 
 
 def test_services_serve_metrics_over_http() -> None:

@@ -7,7 +7,6 @@ import http.server
 import json
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 
 from shared.sdk import EncoderClient
 from tests.harness import Stack
+from tests.http_server import QuietHandler, serving
 from tests.images import png_bytes
 
 # Starts processes of its own (see the tiers in tests/conftest.py).
@@ -53,12 +53,11 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def file_server(dataset: Path) -> Iterator[str]:
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(dataset))
-    handler.log_message = lambda *args: None  # type: ignore[attr-defined]
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    class Handler(http.server.SimpleHTTPRequestHandler, QuietHandler):
+        pass
+
+    with serving(functools.partial(Handler, directory=str(dataset))) as base_url:
+        yield base_url
 
 
 def test_folder_run_writes_ordered_manifest_and_fails_on_corrupt_file(

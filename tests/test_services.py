@@ -4,8 +4,6 @@ fetching, health and reflection."""
 from __future__ import annotations
 
 import asyncio
-import http.server
-import threading
 import time
 from collections.abc import Iterator
 
@@ -19,6 +17,7 @@ from shared.blob import BlobRules, decode_blob
 from shared.errors import InvalidInput, ModelNotFound, TooLarge
 from shared.sdk import AsyncEncoderClient, AsyncLLMClient, EncoderClient, ImageKey, LLMClient, Message, Sampling
 from tests.harness import Stack
+from tests.http_server import QuietHandler, serving
 from tests.images import png_bytes
 
 
@@ -27,7 +26,7 @@ def image_server() -> Iterator[str]:
     """A real HTTP server on loopback serving /img.png and a redirect to it."""
     image = png_bytes(91)
 
-    class Handler(http.server.BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
             if self.path == "/redirect":
                 self.send_response(302)
@@ -39,13 +38,8 @@ def image_server() -> Iterator[str]:
             self.end_headers()
             self.wfile.write(image)
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    with serving(Handler) as base_url:
+        yield base_url
 
 
 def test_encode_from_http_url_equals_encode_from_bytes(stack: Stack, image_server: str) -> None:
