@@ -55,7 +55,7 @@ patches:
     patch: |-
       - op: replace
         path: /spec/triggers/0/metadata/query
-        value: sum(vllm:num_requests_waiting{{namespace="{namespace}",service="llm-{name}"}})
+        value: sum(llm_requests_waiting{{namespace="{namespace}",service="llm-{name}"}})
 """
 
 

@@ -67,14 +67,23 @@ class LLMCore:
         )
         submitted: float | None = time.perf_counter()
         engine_attributes = {tracing.MODEL: self.model_name, "vlm.prompt_tokens": engine_request.prompt_tokens}
-        with tracing.step_span("engine generate", engine_attributes) as span:
-            async for delta in self.engine.generate(engine_request):
-                if submitted is not None:
-                    metrics.REQUEST_STAGE_SECONDS.labels("first_token").observe(time.perf_counter() - submitted)
-                    submitted = None
-                if delta.finish_reason is not None:
-                    span.set_attribute("vlm.completion_tokens", delta.completion_tokens)
-                yield delta
+        metrics.REQUESTS_WAITING.inc()
+        try:
+            with (
+                tracing.step_span("engine generate", engine_attributes) as span,
+                metrics.REQUESTS_IN_ENGINE.track_inprogress(),
+            ):
+                async for delta in self.engine.generate(engine_request):
+                    if submitted is not None:
+                        metrics.REQUEST_STAGE_SECONDS.labels("first_token").observe(time.perf_counter() - submitted)
+                        metrics.REQUESTS_WAITING.dec()
+                        submitted = None
+                    if delta.finish_reason is not None:
+                        span.set_attribute("vlm.completion_tokens", delta.completion_tokens)
+                    yield delta
+        finally:  # however it ended: failed, cancelled, or the client went away before a token
+            if submitted is not None:
+                metrics.REQUESTS_WAITING.dec()
 
     async def _resolve_media(self, media: list[MediaInput]) -> list[EmbeddingBlob]:
         """Each item's validated blob, in order: cached, fetched in one round trip, or inline."""

@@ -4,7 +4,7 @@ before its first token."""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 BLOB_CACHE_HITS = Counter("llm_blob_cache_hits_total", "Stored embeddings answered from the pod's blob cache.")
 BLOB_CACHE_MISSES = Counter("llm_blob_cache_misses_total", "Stored embeddings the pod's blob cache did not hold.")
@@ -23,3 +23,8 @@ REQUEST_STAGE_SECONDS = Histogram(
     "llm_request_stage_seconds", "Time of each stage of a Generate call (media, prompt, first_token, stream).", ["stage"],
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )  # fmt: skip
+# Engine-agnostic load, for dashboards and autoscaling on either engine (vLLM's own
+# vllm:num_requests_waiting exists only with vLLM): submitted to the engine and no token yet
+# (queued or in prefill), and submitted and not finished.
+REQUESTS_WAITING = Gauge("llm_requests_waiting", "Requests submitted to the engine that have no first token yet.")
+REQUESTS_IN_ENGINE = Gauge("llm_requests_in_engine", "Requests submitted to the engine and not finished.")

@@ -4,16 +4,20 @@ and the keys Redis did not hold. Scraped over HTTP from /metrics as a service se
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.errors import EmbeddingNotFound
-from shared.grpc_metrics import serve_metrics
 from shared.keys import embedding_key
-from shared.sdk import EncoderClient, ImageKey, LLMClient, Message, Sampling
-from tests.harness import Stack, free_port
+from shared.sdk import AsyncLLMClient, EncoderClient, ImageKey, LLMClient, Message, Sampling
+from tests.harness import Stack
 from tests.images import png_bytes
+from tests.metrics_text import exported, metric_sum, scrape
 
 LLM_SAMPLES = (
     "llm_blob_cache_hits_total",
@@ -24,22 +28,10 @@ LLM_SAMPLES = (
 ENCODER_SAMPLES = ("encoder_images_encoded_total", "encoder_cache_hits_total")
 
 
-@pytest.fixture(scope="module")
-def metrics_url() -> str:
-    """/metrics of this process, served as each service's __main__ serves it (the test stack's
-    services run in this process)."""
-    port = free_port()
-    serve_metrics(port)
-    return f"http://127.0.0.1:{port}/metrics"
-
-
 def _scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:
-    samples = {
-        sample.name: sample.value
-        for family in text_string_to_metric_families(httpx.get(url, timeout=5).text)
-        for sample in family.samples
-    }
-    return {name: samples[name] for name in names}  # KeyError: a metric is not exported
+    text = scrape(url)
+    assert set(names) <= exported(text), f"not exported: {set(names) - exported(text)}"
+    return {name: metric_sum(text, name) for name in names}
 
 
 def test_llm_service_exports_blob_cache_hits_misses_fetch_time_and_missing_keys(stack: Stack, metrics_url: str) -> None:
@@ -93,3 +85,41 @@ def test_llm_service_times_each_stage_of_a_call(stack: Stack, metrics_url: str) 
     after = _stage_counts(metrics_url)
     stages = ("media", "prompt", "first_token", "stream")
     assert {stage: after[stage] - before.get(stage, 0) for stage in stages} == dict.fromkeys(stages, 2)
+
+
+def _load(url: str) -> tuple[float, float]:
+    text = scrape(url)
+    return metric_sum(text, "llm_requests_waiting"), metric_sum(text, "llm_requests_in_engine")
+
+
+def _wait_for_load(url: str, wanted: tuple[float, float], what: str) -> None:
+    deadline = time.monotonic() + 10
+    while (load := _load(url)) != wanted:
+        assert time.monotonic() < deadline, f"{what}: (waiting, in engine) = {load}, expected {wanted}"
+        time.sleep(0.02)
+
+
+def test_llm_load_gauges_count_queued_and_running_requests_and_return_to_zero(stack: Stack, metrics_url: str) -> None:
+    """ft-b's transformers engine runs one generation at a time: while a long one runs, a second
+    one waits for its first token. Either leaving (before or after its first token) takes it off
+    both gauges, so they cannot drift up under clients that hang up."""
+    long = Sampling(max_tokens=1990)  # seconds of decoding on its own: the closes below come first
+    question = [Message("user", ["tell me everything"])]
+
+    async def queue_behind_a_running_one() -> None:
+        async with AsyncLLMClient(stack.llm_target("ft-b")) as llm:
+            running = llm.generate("ft-b", question, long)
+            await anext(running)
+            queued = llm.generate("ft-b", question, long)
+            first = asyncio.ensure_future(anext(queued))
+            await asyncio.to_thread(_wait_for_load, metrics_url, (1, 2), "one running, one queued")
+            first.cancel()  # the queued one leaves before its first token
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+            await queued.aclose()
+            await asyncio.to_thread(_wait_for_load, metrics_url, (0, 1), "the queued one left")
+            await running.aclose()
+
+    assert _load(metrics_url) == (0, 0)
+    asyncio.run(queue_behind_a_running_one())
+    _wait_for_load(metrics_url, (0, 0), "both left")

@@ -134,7 +134,7 @@ def _stack() -> list[Doc]:
         "labelSelector": {"matchLabels": {COMPONENT: "llm"}}, "matchLabelKeys": ["app", "pod-template-hash"]}]  # fmt: skip
     docs += _policies() + [
         _scaled("encoder", "encoder_batch_queue_depth"),
-        _scaled("llm-ft-a", "vllm:num_requests_waiting"),
+        _scaled("llm-ft-a", "llm_requests_waiting"),
     ]
     docs.append({"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": {"name": "models", "namespace": NS},
                  "spec": {"selector": {"matchExpressions": [{"key": COMPONENT, "operator": "In", "values": ["encoder", "llm"]}]},
@@ -332,8 +332,8 @@ BREAKAGES: list[tuple[str, str, Breakage]] = [
     ("autoscaling", "replicas 0..3", lambda d: _spec(d, "ScaledObject", "encoder").update(minReplicaCount=0)),
     ("autoscaling", "Deployment/llm-ft-a: a model server with no ScaledObject", lambda d: d.remove(_by(d, "ScaledObject", "llm-ft-a"))),
     ("autoscaling", "Deployment/gateway: 2 autoscalers", lambda d: d.append({**_scaled("gateway", "m"), "metadata": {"name": "gw", "namespace": NS}})),
-    ("autoscaling", "Service/encoder does not select Deployment/llm-ft-a", lambda d: _query(d, "llm-ft-a", 'sum(vllm:num_requests_waiting{namespace="vlm",service="encoder"})')),
-    ("autoscaling", "selects no Service of the namespace", lambda d: _query(d, "llm-ft-a", 'sum(vllm:num_requests_waiting{namespace="vlm"})')),
+    ("autoscaling", "Service/encoder does not select Deployment/llm-ft-a", lambda d: _query(d, "llm-ft-a", 'sum(llm_requests_waiting{namespace="vlm",service="encoder"})')),
+    ("autoscaling", "selects no Service of the namespace", lambda d: _query(d, "llm-ft-a", 'sum(llm_requests_waiting{namespace="vlm"})')),
     ("autoscaling", 'does not select namespace="vlm"', lambda d: _query(d, "encoder", 'sum(encoder_batch_queue_depth{service="encoder"})')),
     ("autoscaling", "threshold 'many' is not a number", lambda d: _spec(d, "ScaledObject", "encoder")["triggers"][0]["metadata"].update(threshold="many")),
     ("autoscaling", "no ServiceMonitor scrapes Service/llm-ft-a", lambda d: _spec(d, "ServiceMonitor", "models")["selector"]["matchExpressions"][0].update(values=["encoder"])),
