@@ -38,7 +38,6 @@ SEEDS = {
     "color": 5,
     "count": 6,
     "shape": 7,
-    "tower_rows": 8,
 }
 TOWER_CACHE = Path("build/shapes-stage1-tower.pt")
 
@@ -53,10 +52,10 @@ def round_to_shipped(model: torch.nn.Module) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("models/shapes"))
-    parser.add_argument("--tower-steps", type=int, default=1200)
-    parser.add_argument("--base-steps", type=int, default=400)
-    parser.add_argument("--finetune-steps", type=int, default=150)
-    parser.add_argument("--language-images", type=int, default=2000)
+    parser.add_argument("--tower-steps", type=int, default=3200)
+    parser.add_argument("--base-steps", type=int, default=2000)
+    parser.add_argument("--finetune-steps", type=int, default=600)
+    parser.add_argument("--language-images", type=int, default=4000)
     parser.add_argument("--reuse-tower", action="store_true", help="load the stage-1 tower from build/")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -83,7 +82,7 @@ def main() -> None:
     else:
         report["accuracy"]["tower"] = train_tower(
             model.model.visual, processor, args.tower_steps, batch_size=32, seed=SEEDS["tower"], peak_lr=1.5e-3,
-            row_weight=0.0, warmup=200,
+            warmup=200,
         )  # fmt: skip
         TOWER_CACHE.parent.mkdir(exist_ok=True)
         torch.save({"tower_steps": args.tower_steps, "state": model.model.visual.state_dict()}, TOWER_CACHE)
