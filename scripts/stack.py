@@ -275,18 +275,23 @@ def launch(name: str, module: str, env: dict[str, str], port: int, metrics_port:
 
 
 def wait_healthy(base_url: str, timeout_s: float, progress: bool = False) -> None:
-    """Until the gateway's /health says every backend serves; with `progress`, a line every 10 s."""
+    """Until the gateway's /health says every backend serves; with `progress`, a line every 30 s
+    saying how many serve (a person watches it: vLLM engines take minutes to start on a CPU)."""
     started = time.monotonic()
-    next_report = started + 10
+    next_report = started + 30
+    serving = "the gateway is not answering yet"
     while time.monotonic() < started + timeout_s:
         try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+            response = httpx.get(f"{base_url}/health", timeout=2)
+            if response.status_code == 200:
                 return
-        except httpx.HTTPError:
+            backends = response.json().get("backends", {})
+            serving = f"{sum(map(bool, backends.values()))} of {len(backends)} services serving"
+        except (httpx.HTTPError, ValueError):
             pass
         if progress and time.monotonic() >= next_report:
-            print(f"  still starting ({time.monotonic() - started:.0f} s)", flush=True)
-            next_report += 10
+            print(f"  still starting ({time.monotonic() - started:.0f} s): {serving}", flush=True)
+            next_report += 30
         time.sleep(0.5)
     raise SystemExit(f"stack not healthy after {timeout_s}s")
 
