@@ -10,17 +10,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from scripts.stack import Ports, RunningStack, Service, StackConfig, start
+from scripts.stack import Ports, RunningStack, Service, StackConfig, start, wait_healthy
 from tests.harness import RedisServer
 from tests.metrics_text import metric_sum, scrape
 
@@ -112,15 +110,10 @@ class ProcessStack:
         return cores[0]
 
     def wait_healthy(self, timeout_s: float = 180) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"stack not healthy after {timeout_s}s\n{self.log_tails()}")
+        try:
+            wait_healthy(self.base_url, timeout_s)
+        except SystemExit as unhealthy:
+            raise AssertionError(f"{unhealthy}\n{self.log_tails()}") from None
 
     def grpc_health(self, name: str, health_service: str = "") -> str:
         """SERVING / NOT_SERVING as the service itself reports it (readiness; "liveness" for the

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import time
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -68,7 +67,7 @@ def test_encoder_stats_and_metrics_count_the_same_encodes(stack: Stack, metrics_
 def _stage_counts(url: str) -> dict[str, float]:
     return {
         sample.labels["stage"]: sample.value
-        for family in text_string_to_metric_families(httpx.get(url, timeout=5).text)
+        for family in text_string_to_metric_families(scrape(url))
         for sample in family.samples
         if sample.name == "llm_request_stage_seconds_count"
     }

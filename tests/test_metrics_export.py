@@ -9,7 +9,6 @@ import json
 import re
 from pathlib import Path
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.sdk import EncoderClient, ImageKey, LLMClient, Message, Sampling
@@ -48,7 +47,7 @@ def test_grpc_server_metrics_name_service_method_and_call_type(stack: Stack, met
     timing = {k: v for k, v in generate.items() if k != "grpc_code"}
     assert _sample(metrics_url, "grpc_server_handling_seconds_count", **timing) >= 1
     # Every series has all the labels, whatever the call: none is left without a service or a type.
-    text = httpx.get(metrics_url, timeout=5).text
+    text = scrape(metrics_url)
     rpc_samples = [
         sample
         for family in text_string_to_metric_families(text)
@@ -113,7 +112,7 @@ def test_metric_names_are_read_out_of_promql() -> None:
 
 
 def test_every_dashboard_query_names_a_metric_the_services_export(stack: Stack, metrics_url: str) -> None:
-    exported = exported_names(httpx.get(metrics_url, timeout=5).text)
+    exported = exported_names(scrape(metrics_url))
     queries = dashboard_queries()
     named = {name for expr in queries for name in metric_names(expr)}
     assert not {name for name in named if name not in exported}, "the dashboard reads metrics nobody exports"
