@@ -333,7 +333,10 @@ def test_sigterm_goes_not_serving_then_drains_the_stream_in_flight_and_exits_0(s
             # The watch opened before SIGTERM is in flight, so it is still served: readiness flips first.
             assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
             watch.cancel()  # an open watch would hold the drain for the whole grace period
-            assert stack.grpc_health("ft-b") in ("NOT_SERVING", "UNAVAILABLE")
+            # A new Check meets a server that refuses new calls; the code depends on timing: the
+            # listener closed gives UNAVAILABLE, a call grpc accepted but never matched to a handler
+            # is CANCELLED at shutdown (grpc/grpc#41785; the gateway reads both as 503). Never SERVING.
+            assert stack.grpc_health("ft-b") in ("NOT_SERVING", "UNAVAILABLE", "CANCELLED")
             refused = chat(stack, chat_body("ft-b", "hi"))
             assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
             served = chat(stack, chat_body("ft-a", "hi"))
