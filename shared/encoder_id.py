@@ -31,7 +31,7 @@ def compute_encoder_id(checkpoint_dir: Path) -> str:
         with safe_open(path, framework="pt") as f:
             for key in sorted(k for k in f.keys() if is_vision_key(k)):
                 tensor = f.get_tensor(key).contiguous()
-                header = f"{_strip_vision_prefix(key)}|{tensor.dtype}|{list(tensor.shape)}|"
+                header = f"{vision_name(key)}|{tensor.dtype}|{list(tensor.shape)}|"
                 digest.update(header.encode())
                 digest.update(tensor.view(torch.uint8).numpy())  # hashed in place: no copy of the weights
     preprocessor = json.loads((checkpoint_dir / "preprocessor_config.json").read_text())
@@ -47,7 +47,8 @@ def is_vision_key(key: str) -> bool:
     return key.startswith(VISION_PREFIXES)
 
 
-def _strip_vision_prefix(key: str) -> str:
+def vision_name(key: str) -> str:
+    """A vision weight's name inside the tower ("blocks.0.attn.qkv.weight"), whichever prefix the checkpoint uses."""
     for prefix in VISION_PREFIXES:
         if key.startswith(prefix):
             return key[len(prefix) :]
