@@ -7,7 +7,14 @@ service reports SERVING only while all of them pass. It comes back by itself whe
 restart, and a service whose Redis is down at start still starts (NOT_SERVING until it answers).
 
 Checks run concurrently, each bounded by `timeout_s`; a check that raises or overruns counts as
-failing. Changes are logged once, naming the failing dependencies.
+failing. A service that was SERVING goes NOT_SERVING only when a dependency has failed DOWN_AFTER
+checks in a row: on a busy node one PING can take longer than its timeout (measured on 2 loaded
+cores: Redis answered redis-cli's PINGs in up to 0.49 s, and the services' 0.5 s socket timeout
+turned single slow PINGs into NOT_SERVING), and the gateway's /readyz follows the encoder's
+readiness, so one slow PING could take the whole gateway out of its Service. Coming back takes
+one passing round. A dead engine needs no patience: the LLM service's own watch on it sets
+NOT_SERVING at once (shared/grpc_server.py serve_until_signal). Changes are logged once,
+naming the failing dependencies.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ Report = Callable[[bool], Awaitable[None]]
 
 INTERVAL_S = 1.0
 TIMEOUT_S = 1.0
+DOWN_AFTER = 3  # failed checks in a row before a dependency that answered counts as down
 
 
 async def failing(checks: Mapping[str, Check], timeout_s: float = TIMEOUT_S) -> list[str]:
@@ -34,9 +42,12 @@ async def failing(checks: Mapping[str, Check], timeout_s: float = TIMEOUT_S) -> 
 async def follow(checks: Mapping[str, Check], report: Report, ready: bool) -> None:
     """Re-checks every INTERVAL_S and reports each change of readiness, until cancelled.
     `ready`: what was reported last."""
+    misses = dict.fromkeys(checks, 0)  # failed checks in a row, per dependency
     while True:
         await asyncio.sleep(INTERVAL_S)
-        down = await failing(checks)
+        failed = set(await failing(checks))
+        misses = {name: misses[name] + 1 if name in failed else 0 for name in checks}
+        down = [name for name, count in misses.items() if count >= (DOWN_AFTER if ready else 1)]
         if (not down) != ready:
             ready = not down
             await report(ready)

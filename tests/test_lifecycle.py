@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.process_stack import ProcessStack, process_stack
@@ -121,12 +122,32 @@ def test_a_killed_llm_service_takes_its_engine_processes_with_it(stack: ProcessS
     print(f"engine processes gone {gone_after:.2f}s after the service was killed")
 
 
+def test_a_redis_that_stalls_for_a_moment_leaves_readiness_alone(stack: ProcessStack) -> None:
+    """Redis answering late once or twice (a busy node) is no outage: single failed PINGs used to
+    turn a service NOT_SERVING, and with the encoder the gateway's /readyz, on a loaded box."""
+    watches = {name: HealthWatch(stack.service(name).target) for name in ("encoder", "ft-a")}
+    try:
+        for name, watch in watches.items():
+            wait_for(lambda watch=watch: watch.first(SERVING) is not None, 10, f"{name}'s first SERVING", stack)
+        with redis.Redis.from_url(stack.redis.url) as client:
+            for _ in range(2):
+                # Every client's commands wait 1.2 s: longer than the services' 0.5 s socket timeout
+                # and the 1 s a readiness check gets, so one or two checks in a row fail.
+                client.execute_command("CLIENT", "PAUSE", 1200, "ALL")
+                time.sleep(4)
+        for name, watch in watches.items():
+            assert watch.first(NOT_SERVING) is None, f"{name} went NOT_SERVING for a 1.2 s stall of Redis"
+    finally:
+        for watch in watches.values():
+            watch.close()
+
+
 def test_readiness_follows_redis_and_a_service_starts_while_redis_is_down(stack: ProcessStack) -> None:
     services = ("encoder", "ft-a")
     stack.redis.stop()
     try:
-        for name in services:
-            wait_for(lambda name=name: stack.grpc_health(name) == "NOT_SERVING", 4, f"{name} NOT_SERVING", stack)
+        for name in services:  # three failed checks a second apart (shared/readiness.py DOWN_AFTER)
+            wait_for(lambda name=name: stack.grpc_health(name) == "NOT_SERVING", 8, f"{name} NOT_SERVING", stack)
         stack.service("encoder").restart()  # down at start: it must start all the same, NOT_SERVING
         wait_for(lambda: stack.grpc_health("encoder") == "NOT_SERVING", 120, "the encoder up, NOT_SERVING", stack)
         time.sleep(2)  # and stays so while Redis is down
