@@ -17,22 +17,35 @@ def error_response(error: ServiceError) -> JSONResponse:
 
 
 def _param_from_loc(loc: tuple[int | str, ...]) -> str | None:
-    """("body", "messages", 0, "content") -> "messages[0].content"."""
+    """("body", "messages", 0, "content") -> "messages[0].content".
+
+    pydantic also names the union member each error comes from ("str", "list[...]",
+    "function-after[...]") and, under a union tagged by `type`, the tag ("image_url"): none of
+    them is a field the client wrote, so they are left out."""
     path = ""
+    tag_follows = False  # under a tagged union, the next name is the member's tag
     for item in loc[1:] if loc and loc[0] == "body" else loc:
         if isinstance(item, int):
             path += f"[{item}]"
-        elif item not in ("str", "list[...]") and not str(item).startswith(("function-", "tagged-union")):
-            path += f".{item}" if path else str(item)
+        elif item == "str" or item.startswith(("list[", "function-", "tagged-union[")):
+            tag_follows = tag_follows or "tagged-union[" in item
+        elif tag_follows:
+            tag_follows = False
+        else:
+            path += f".{item}" if path else item
     return path or None
 
 
 def validation_error(exc: RequestValidationError) -> InvalidInput:
-    first = exc.errors()[0]
-    if first.get("type") == "json_invalid":
+    errors = exc.errors()
+    if any(error.get("type") == "json_invalid" for error in errors):
         return InvalidInput("request body is not valid JSON", param=None)
-    param = _param_from_loc(tuple(first.get("loc", ())))
-    message = str(first.get("msg", "invalid value"))
+    # A field that takes one of several forms (content: a string or a list of parts) fails once
+    # per form; the form that got deepest into the input is the one the client meant, and its
+    # error names the part at fault ("messages[0].content[1].image_url.url", not "...content").
+    deepest = max(errors, key=lambda error: len(error.get("loc", ())))
+    param = _param_from_loc(tuple(deepest.get("loc", ())))
+    message = str(deepest.get("msg", "invalid value"))
     return InvalidInput(f"{param}: {message}" if param else message, param=param)
 
 

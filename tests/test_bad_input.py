@@ -75,6 +75,25 @@ def test_bad_fields_are_400_naming_the_param(stack: Stack, body: dict, param: st
     assert error["param"] is not None and error["param"].startswith(param)
 
 
+@pytest.mark.parametrize(
+    ("part", "param"),
+    [
+        ({"type": "image_url", "image_url": {"url": 5}}, "messages[0].content[0].image_url.url"),
+        ({"type": "image_url", "image_url": "https://example.com/a.png"}, "messages[0].content[0].image_url"),
+        ({"type": "text"}, "messages[0].content[0].text"),
+        ({"type": "text", "text": 5}, "messages[0].content[0].text"),
+        ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}, "min_pixels": -5},
+         "messages[0].content[0].min_pixels"),
+    ],
+)  # fmt: skip
+def test_a_bad_content_part_is_400_naming_the_part_and_field(stack: Stack, part: dict, param: str) -> None:
+    """content is a string or a list of parts: the error is the list's, naming the field at fault
+    (it used to be the string form's "messages[0].content: Input should be a valid string")."""
+    body = {"model": "ft-a", "messages": [{"role": "user", "content": [part]}]}
+    error = _assert_error(_chat(stack, body), 400, param=param, code="invalid_value")
+    assert error["message"].startswith(f"{param}: ")
+
+
 def test_unknown_model_is_404(stack: Stack, openai_client: OpenAI) -> None:
     _assert_error(
         _chat(stack, {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}),
