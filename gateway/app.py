@@ -51,6 +51,10 @@ async def _encode_response(
     )  # fmt: skip
 
 
+def model_object(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "vlm-encode-once"}
+
+
 def create_app(settings: GatewaySettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -94,10 +98,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
         names = request.app.state.backends.model_names
-        return {
-            "object": "list",
-            "data": [{"id": n, "object": "model", "created": 0, "owned_by": "vlm-encode-once"} for n in names],
-        }
+        return {"object": "list", "data": [model_object(name) for name in names]}
+
+    @app.get("/v1/models/{model:path}")  # path: a fine-tune's name may hold "/" ("org/name")
+    async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
+        """One model, as the OpenAI clients' models.retrieve reads it; 404 model_not_found else."""
+        request.app.state.backends.check_model(model)
+        return model_object(model)
 
     @app.post("/v1/images/encode")
     async def encode_image(body: EncodeImageRequest, request: Request) -> EncodeMediaResponse:

@@ -193,3 +193,13 @@ def test_over_the_concurrency_limit_is_429_with_retry_after(strict_gateway_app: 
         release.set()
     assert second.status_code == 429 and second.headers["retry-after"] == "1"
     assert second.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_models_retrieve_reads_one_model_and_404s_an_unknown_one(openai_client: OpenAI) -> None:
+    """The official client's models.retrieve (GET /v1/models/{model}) was a bare 404 for every model."""
+    model = openai_client.models.retrieve("ft-a")
+    assert (model.id, model.object) == ("ft-a", "model")
+    with pytest.raises(openai.NotFoundError) as caught:
+        openai_client.models.retrieve("nope")
+    error = caught.value.response.json()["error"]
+    assert (error["code"], error["param"]) == ("model_not_found", "model") and "ft-a, ft-b" in error["message"]
