@@ -22,6 +22,7 @@ from gateway.exchange import ExchangeMiddleware, on_exchange_end
 from gateway.openai_format import IndexedChunks, completion, event_stream
 from gateway.schemas import ChatCompletionRequest, EncodeImageRequest, EncodeMediaResponse, EncodeVideoRequest
 from gateway.settings import GatewaySettings
+from gateway.unsupported import refuse_unsupported
 from shared.sdk import AsyncEncoderClient, EncodedMedia
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         """OpenAI chat completions; image parts are encoded once and shared by every model."""
         summary.current().model = body.model
         if body.model_extra:
-            logger.info("ignoring unsupported fields %s", sorted(body.model_extra))  # the line names the request
+            refuse_unsupported(body.model_extra)
+            logger.info("ignoring unknown fields %s", sorted(body.model_extra))  # the line names the request
         backends: Backends = request.app.state.backends
         backends.check_model(body.model)  # unknown model: 404 before any image is encoded
         # The slot is held exactly as long as the HTTP exchange, however it ends: a streaming

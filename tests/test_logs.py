@@ -77,7 +77,7 @@ def test_a_chat_writes_one_summary_line_and_every_line_names_the_request(stack: 
         )
     assert response.status_code == 200, response.text
     usage = response.json()["usage"]
-    ignoring = [line for line in lines if line["message"].startswith("ignoring unsupported fields")]
+    ignoring = [line for line in lines if line["message"].startswith("ignoring unknown fields")]
     assert [line["request_id"] for line in ignoring] == ["logs-chat-1"]
     assert "logs-chat-1" not in ignoring[0]["message"]  # a field now, not part of the text
     (summary,) = summaries(lines, "logs-chat-1")

@@ -203,3 +203,28 @@ def test_models_retrieve_reads_one_model_and_404s_an_unknown_one(openai_client: 
         openai_client.models.retrieve("nope")
     error = caught.value.response.json()["error"]
     assert (error["code"], error["param"]) == ("model_not_found", "model") and "ft-a, ft-b" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("response_format", {"type": "json_object"}),
+        ("tools", [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]),
+        ("logit_bias", {"5": 100}),
+        ("tool_choice", "required"),
+    ],
+)
+def test_fields_that_change_the_answer_are_refused_not_ignored(
+    openai_client: OpenAI, field: str, value: object
+) -> None:
+    """A client asking for JSON, tool calls or biased logits used to get a 200 of plain text."""
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.chat.completions.create(model="ft-a", max_tokens=2, messages=messages, extra_body={field: value})
+    error = caught.value.response.json()["error"]
+    assert error["param"] == field and "not supported" in error["message"]
+    # Their neutral values ask for nothing more than text: accepted.
+    reply = openai_client.chat.completions.create(
+        model="ft-a", max_tokens=2, messages=messages, response_format={"type": "text"}, logit_bias={}, tools=[]
+    )
+    assert reply.choices[0].finish_reason == "length"
