@@ -4,7 +4,6 @@ restart it (the same port each time)."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -12,11 +11,7 @@ from pathlib import Path
 
 import redis
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from scripts.ports import free_port
 
 
 @dataclass

@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -43,14 +42,9 @@ from model_builders.shapes import trained_family  # noqa: E402
 from model_builders.tiny import build_all  # noqa: E402
 from scripts.demo import format_table, run_demo  # noqa: E402
 from scripts.fanout import demo_image, run_fanout  # noqa: E402
+from scripts.ports import free_port  # noqa: E402
 
 RUN_DIR = REPO / "run"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def redis_answers(url: str) -> bool:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 
 from deploy.lint.manifests import containers
+from scripts.ports import free_port
 from tests.test_deploy import DEPLOY, rendered
 
 # Runs redis-server (see the tiers in tests/conftest.py).
@@ -47,12 +47,6 @@ def _kubelet_env(container: Doc, secret_values: dict[tuple[str, str], str]) -> d
     return values
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
 def dev_redis(tmp_path: Path) -> Iterator[tuple[list[Doc], int, str]]:
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
@@ -61,7 +55,7 @@ def dev_redis(tmp_path: Path) -> Iterator[tuple[list[Doc], int, str]]:
     redis = _container(docs, "redis")
     password = secrets.token_hex(16)
     env = _kubelet_env(redis, {("vlm-redis-password", "password"): password})
-    port = _free_port()
+    port = free_port()
     # The container's own command and args; only the port and address are this machine's.
     argv = [*redis["command"], *redis["args"], "--port", str(port), "--bind", "127.0.0.1"]
     process = subprocess.Popen(argv, cwd=tmp_path, env={"PATH": "/usr/bin:/bin", **env})

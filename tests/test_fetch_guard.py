@@ -15,6 +15,7 @@ import pytest
 
 from encoder_service.server import EncoderServer, start_encoder_server
 from encoder_service.settings import EncoderSettings
+from scripts.ports import free_port
 from shared.errors import ImageFetchFailed
 from shared.sdk import EncoderClient
 from tests.harness import BackgroundLoop, RedisServer
@@ -151,9 +152,7 @@ def test_a_silent_server_fails_the_fetch_at_its_deadline_without_retries(
 def test_a_refused_connection_and_a_bad_status_are_client_errors(
     open_encoder: str, servers: list[CountingServer]
 ) -> None:
-    with socket.socket() as unused:
-        unused.bind(("127.0.0.1", 0))
-        closed_port = unused.getsockname()[1]
+    closed_port = free_port()  # nothing listens there, and no outgoing connection will take it
     error, _ = _timed_failure(open_encoder, f"http://127.0.0.1:{closed_port}/img.png")
     assert "could not be fetched" in error.message
     missing = CountingServer(lambda sock, _head: sock.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"))
