@@ -1,9 +1,11 @@
-"""scripts/stack.py's launcher: a child tied to its parent dies with it, and starting one never
-runs Python in a forked copy of the (multi-threaded) parent."""
+"""scripts/stack.py's launcher and port picker: a child tied to its parent dies with it, starting
+one never runs Python in a forked copy of the (multi-threaded) parent, and the ports picked for
+services are ones no outgoing connection can take."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -11,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from scripts.ports import ephemeral_start, free_port
 
 # Starts processes of its own (see the tiers in tests/conftest.py).
 pytestmark = pytest.mark.integration
@@ -59,3 +63,14 @@ def test_an_untied_launch_uses_plain_python_dash_m() -> None:
     assert service.process is not None
     assert service.process.wait(timeout=30) == 0
     assert service.process.args[1:] == ["-m", "platform"]
+
+
+def test_free_ports_never_come_from_the_ephemeral_range_outgoing_connections_use() -> None:
+    """A port picked by binding port 0 is ephemeral: an outgoing connection could take it before
+    the service binds it (the demo lost a service that way). Every pick, on the real kernel, is
+    below the range and bindable on every address, and a port is handed out once."""
+    start = ephemeral_start()
+    picks = [free_port() for _ in range(200)]
+    assert max(picks) < start and len(set(picks)) == len(picks)
+    with socket.socket() as sock:
+        sock.bind(("", picks[-1]))
