@@ -24,7 +24,7 @@ from encoder_service.fast_tower import make_fast
 from encoder_service.pixels import resize_like_autoprocessor, target_size
 from encoder_service.resize import check_aspect_ratio
 from shared.blob import tokens_for_grid
-from shared.encoder_id import VISION_PREFIXES
+from shared.encoder_id import is_vision_key, vision_name
 
 # One preprocessed image: pixel_values [patches, C*T*P*P] float32, grid_thw [1, 3] int64.
 Preprocessed = tuple[torch.Tensor, torch.Tensor]
@@ -38,11 +38,8 @@ def read_vision_state_dict(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no *.safetensors files in {checkpoint_dir}")
     for shard in shards:
         with safe_open(shard, framework="pt") as f:
-            for key in f.keys():
-                for prefix in VISION_PREFIXES:
-                    if key.startswith(prefix):
-                        state[key[len(prefix) :]] = f.get_tensor(key)
-                        break
+            for key in filter(is_vision_key, f.keys()):
+                state[vision_name(key)] = f.get_tensor(key)
     if not state:
         raise ValueError(f"no vision tower weights (prefix visual. or model.visual.) in {checkpoint_dir}")
     return state

@@ -19,16 +19,16 @@ from pathlib import Path
 
 import torch
 import transformers
-from safetensors.torch import load_file
 from transformers import Qwen2VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from model_builders.shapes.family import TOWER_DIR, TOWER_FILE, build_family_tokenizer, family_config, save_member
+from encoder_service.vision import read_vision_state_dict
+from model_builders.shapes.family import TOWER_DIR, build_family_tokenizer, family_config, save_member
 from model_builders.shapes.task import TASKS
 from model_builders.shapes.train_language import PromptIds, encoded_dataset, exact_match, train_language
 from model_builders.shapes.train_tower import train_tower
 from model_builders.tiny import preprocessor_config
-from shared.encoder_id import compute_encoder_id, vision_name
+from shared.encoder_id import compute_encoder_id
 
 log = logging.getLogger("model_builders.shapes")
 SEEDS = {
@@ -55,8 +55,8 @@ def load_shipped_tower(model: Qwen2VLForConditionalGeneration, out: Path, report
     previous = json.loads((out / "TRAINING.json").read_text())
     if previous["steps"]["tower_steps"] != report["steps"]["tower_steps"]:
         raise SystemExit(f"{out} holds a {previous['steps']['tower_steps']}-step tower, not the recipe's")
-    state = load_file(str(out / TOWER_DIR / TOWER_FILE))
-    model.model.visual.load_state_dict({vision_name(key): tensor.float() for key, tensor in state.items()})
+    state = read_vision_state_dict(out / TOWER_DIR)
+    model.model.visual.load_state_dict({name: tensor.float() for name, tensor in state.items()})
     report["accuracy"]["tower"] = previous["accuracy"]["tower"]
     report["seconds"]["tower"] = previous["seconds"]["tower"]
     report["note"] = f"tower trained by an earlier run ({report['seconds']['tower']} s), reused; language stages rerun"
