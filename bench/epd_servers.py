@@ -21,7 +21,7 @@ from bench.epd_proxy import EpdRoutes
 from bench.procs import Service, ServiceGroup, python_module
 from bench.vllm_server import MAX_MODEL_LEN, vllm_env, wait_vllm_ready
 from bench.weights import count_weights
-from scripts.stack import free_port
+from scripts.ports import free_port
 
 ENCODER = "epd-encoder"
 CACHE_FILE = "encoder_cache.safetensors"

@@ -11,7 +11,7 @@ from pathlib import Path
 from bench.procs import Service, ServiceGroup, grpc_serving, http_ok, python_module, wait_until
 from bench.vllm_server import KV_CACHE_GIB, MAX_MODEL_LEN, vllm_env
 from bench.weights import count_weights
-from scripts.stack import free_port
+from scripts.ports import free_port
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ from bench.s1_fanout import FanoutOptions
 from bench.s2_overhead import OverheadOptions
 from model_builders.bench import build_bench_all
 from model_builders.tiny import build_all
-from scripts.stack import ensure_redis, free_port
+from scripts.ports import free_port
+from scripts.stack import ensure_redis
 
 TITLES = {
     "1": "Fan-out VQA",

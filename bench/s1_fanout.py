@@ -31,7 +31,7 @@ from bench.stats import ratio
 from bench.vllm_server import encodes_counted, reset_prefix_cache, start_vllm_server, wait_vllm_ready
 from bench.weights import count_weights
 from bench.workload import QUESTIONS, chat_body, image_url_part, make_images
-from scripts.stack import free_port
+from scripts.ports import free_port
 from shared.sdk import AsyncEncoderClient
 
 IMAGES = 4

@@ -41,7 +41,7 @@ from bench.stats import ratio
 from bench.vllm_server import encodes_counted, start_vllm_server, wait_vllm_ready
 from bench.weights import count_weights
 from bench.workload import QUESTIONS, chat_body, data_url, make_images
-from scripts.stack import free_port
+from scripts.ports import free_port
 
 CONCURRENCY = 32
 MAX_TOKENS = 16

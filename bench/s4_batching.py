@@ -31,7 +31,7 @@ from bench.weights import count_weights
 from bench.workload import QUESTIONS, chat_body, image_url_part, make_images
 from encoder_service.images import load_image
 from encoder_service.vision import VisionEncoder
-from scripts.stack import free_port
+from scripts.ports import free_port
 from shared.sdk import AsyncEncoderClient, EncoderStats
 
 CONCURRENCY = 8
