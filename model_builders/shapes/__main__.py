@@ -123,9 +123,9 @@ def main() -> None:
 
     stages = list(TOWER_STAGES)
     done = stages[-1] if args.reuse_tower else args.tower_from
-    if done is not None:
-        load_shipped_tower(model, args.out, report, tuple(stages[: stages.index(done) + 1]))
-    first = 0 if done is None else stages.index(done) + 1
+    first = 0 if done is None else stages.index(done) + 1  # the first stage this run trains
+    if first:
+        load_shipped_tower(model, args.out, report, tuple(stages[:first]))
     for stage in stages[first:]:
         started = time.monotonic()
         recipe = TOWER_STAGES[stage] | {"steps": getattr(args, f"{stage}_steps")}
@@ -134,7 +134,7 @@ def main() -> None:
         )
         report["seconds"][stage] = round(time.monotonic() - started)
         round_to_shipped(model.model.visual)  # the next stage starts from what a shipped tower holds
-    new_tower = done != stages[-1]
+    new_tower = first < len(stages)
 
     started = time.monotonic()
     tower = model.model.visual.eval()

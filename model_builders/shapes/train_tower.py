@@ -101,7 +101,8 @@ def train_tower(
         losses = head_losses(logits, targets)
         if row_loss:
             row_targets = targets.repeat_interleave(torch.tensor(rows_per_image(tower, grid_thw)), dim=0)
-            losses = {name: value + head_losses(row_logits, row_targets)[name] for name, value in losses.items()}
+            row_losses = head_losses(row_logits, row_targets)
+            losses = {name: value + row_losses[name] for name, value in losses.items()}
         loss = sum(weights[name] * value for name, value in losses.items())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[union-attr]
