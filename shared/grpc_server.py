@@ -48,9 +48,13 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
         ("grpc.max_connection_age_grace_ms", MAX_CONNECTION_AGE_GRACE_MS),
         # Clients ping every 15 s, with or without calls (shared.sdk.types.channel_options). A server
-        # that thinks pings come too often answers GOAWAY (too_many_pings) and drops the connection.
+        # that thinks pings come too often answers GOAWAY (too_many_pings) and drops the connection,
+        # with every call on it: by default it wants 5 minutes between pings while no data flows, so a
+        # call silent for ~45 s (a long encode, a request queued behind a long prefill) was cut.
+        # The name is C-core's GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS; gRPC ignores
+        # names it does not know, silently (tests/test_grpc_keepalive.py holds both).
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ]
 
 
