@@ -79,7 +79,8 @@ async def _encode(backends: Backends, source: Source, request_id: str) -> Encode
 async def _encode_sources(request: ChatCompletionRequest, backends: Backends, request_id: str) -> dict[Source, str]:
     """Source -> key, each distinct image URL or frame list encoded once, concurrently."""
     parts = _media_parts(request)
-    sources = list(dict.fromkeys(p.source for p in parts if isinstance(p, ImageUrlPart | VideoPart)))
+    named = (p.source for p in parts if isinstance(p, ImageUrlPart | VideoPart))
+    sources = list(dict.fromkeys(source for source in named if source is not None))
     encoded = await asyncio.gather(*(_encode(backends, source, request_id) for source in sources))
     return {source: result.key for source, result in zip(sources, encoded, strict=True)}
 
@@ -103,7 +104,11 @@ async def _content_item(
     settings: GatewaySettings,
 ) -> ContentItem:  # fmt: skip
     if isinstance(part, ImageUrlPart | VideoPart):
-        return _stored(part.modality, key_of[part.source])
+        source = part.source
+        if source is not None:
+            return _stored(part.modality, key_of[source])
+        assert isinstance(part, ImageUrlPart) and part.uuid is not None  # vLLM's form; the schema checked
+        return _stored(part.modality, part.uuid)
     if isinstance(part, MediaEmbedsPart) and part.uuid is not None:
         return _stored(part.modality, part.uuid)
     if isinstance(part, MediaEmbedsPart):

@@ -38,14 +38,28 @@ class ImageUrl(StrictRequest):
 
 
 class ImageUrlPart(StrictRequest):
+    """An image by URL, or (vLLM's form) `"image_url": null` with `uuid` naming a stored key. Beside
+    an image a `uuid` is accepted and not used: the image's key comes from its content, so a
+    client's name for it can neither share nor split what is stored."""
+
     model_config = ConfigDict(extra="forbid")
     modality: ClassVar[Modality] = "image"
     type: Literal["image_url"]
-    image_url: ImageUrl = Field(description="The image, encoded once by the encoder service.")
+    image_url: ImageUrl | None = Field(description="The image, encoded once by the encoder service.")
+    uuid: str | None = Field(
+        None, min_length=1, description="With image_url null: the key of a stored image (/v1/images/encode)."
+    )
 
     @property
-    def source(self) -> str:
-        return self.image_url.url
+    def source(self) -> str | None:
+        """The image's URL; None for a stored key named by uuid."""
+        return self.image_url.url if self.image_url is not None else None
+
+    @model_validator(mode="after")
+    def _image_or_key(self) -> Self:
+        if self.image_url is None and self.uuid is None:
+            raise ValueError("image_url is null: name a stored image with uuid, or give the image's url")
+        return self
 
 
 class VideoPart(StrictRequest):
@@ -144,8 +158,16 @@ ContentPart = Annotated[
 
 class ChatMessage(StrictRequest):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant"] = Field(description="Who speaks.")
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="Who speaks; developer (OpenAI's newer name for system instructions) is taken as system."
+    )
     content: str | list[ContentPart] = Field(description="A string, or a list of content parts in order.")
+
+    @field_validator("role")
+    @classmethod
+    def _developer_is_system(cls, role: str) -> str:
+        # OpenAI: "developer messages replace the previous system messages". Chat templates know system.
+        return "system" if role == "developer" else role
 
 
 class StreamOptions(StrictRequest):

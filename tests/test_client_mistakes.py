@@ -112,6 +112,13 @@ CASES = [
     BadRequest("too many images", lambda m, s, e: _chat(
         m, s, [{"type": "image_url", "image_url": {"url": data_url(png_bytes(1))}}] * 17 + [_text("hi")]), 400),
     BadRequest("unknown content part", lambda m, s, e: _chat(m, s, [{"type": "audio", "audio": "x"}]), 400),
+    BadRequest("image_url null and no uuid", lambda m, s, e: _chat(
+        m, s, [{"type": "image_url", "image_url": None}, _text("hi")]), 400, param="messages[0].content[0]"),
+    BadRequest("image_url null, uuid naming nothing stored", lambda m, s, e: _chat(
+        m, s, [{"type": "image_url", "image_url": None, "uuid": f"emb:v1:{e}:" + "0" * 64}, _text("hi")]), 404,
+        "embedding_not_found"),
+    BadRequest("tool role", lambda m, s, e: {**_chat(m, s, "hi"), "messages": [{"role": "tool", "content": "x"}]},
+               400, param="messages[0].role"),
 ]  # fmt: skip
 
 

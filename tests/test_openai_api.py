@@ -99,6 +99,30 @@ def test_several_images_across_messages_and_turns_match_the_sdk(stack: Stack, op
     assert reply.choices[0].message.content == expected
 
 
+def test_vllm_image_forms_and_the_developer_role_answer_as_their_plain_forms(
+    stack: Stack, openai_client: OpenAI
+) -> None:
+    """What a client written for vLLM sends: an image_url part with its own uuid (accepted, not
+    used: the key comes from the content), `"image_url": null` with a stored key as uuid, and
+    OpenAI's developer role, taken as system. Each must answer as its plain form does."""
+    image = png_bytes(306)
+    with EncoderClient(stack.encoder_target) as encoder:
+        key = encoder.encode(image_bytes=image).key
+
+    def answer(part: dict, role: str = "system") -> str | None:
+        messages = [{"role": role, "content": "Answer briefly."},
+                    {"role": "user", "content": [part, {"type": "text", "text": "What is this?"}]}]  # fmt: skip
+        reply = openai_client.chat.completions.create(model="ft-a", max_tokens=8, temperature=0, messages=messages)
+        return reply.choices[0].message.content
+
+    plain = answer({"type": "image_url", "image_url": {"url": data_url(image)}})
+    assert answer({"type": "image_url", "image_url": {"url": data_url(image)}, "uuid": "my-own-name"}) == plain
+    assert answer({"type": "image_url", "image_url": None, "uuid": key}) == plain
+    assert answer({"type": "image_embeds", "image_embeds": None, "uuid": key}, role="developer") == plain
+    other = answer({"type": "image_url", "image_url": {"url": data_url(png_bytes(307))}, "uuid": "my-own-name"})
+    assert other != plain  # a reused client uuid does not stand for the first image
+
+
 def test_too_many_images_is_400(stack: Stack) -> None:
     part = {"type": "image_url", "image_url": {"url": data_url(png_bytes(303))}}
     body = {"model": "ft-a", "messages": [{"role": "user", "content": [part] * 17}]}
@@ -212,6 +236,9 @@ def test_models_retrieve_reads_one_model_and_404s_an_unknown_one(openai_client: 
         ("tools", [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]),
         ("logit_bias", {"5": 100}),
         ("tool_choice", "required"),
+        ("top_k", 1),
+        ("min_p", 0.2),
+        ("repetition_penalty", 1.05),
     ],
 )
 def test_fields_that_change_the_answer_are_refused_not_ignored(
@@ -225,6 +252,12 @@ def test_fields_that_change_the_answer_are_refused_not_ignored(
     assert error["param"] == field and "not supported" in error["message"]
     # Their neutral values ask for nothing more than text: accepted.
     reply = openai_client.chat.completions.create(
-        model="ft-a", max_tokens=2, messages=messages, response_format={"type": "text"}, logit_bias={}, tools=[]
+        model="ft-a",
+        max_tokens=2,
+        messages=messages,
+        response_format={"type": "text"},
+        logit_bias={},
+        tools=[],
+        extra_body={"top_k": -1, "min_p": 0, "repetition_penalty": 1.0},
     )
     assert reply.choices[0].finish_reason == "length"
