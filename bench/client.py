@@ -25,6 +25,7 @@ class RequestTiming:
     latency_s: float  # request sent -> stream finished
     completion_tokens: int
     error: str | None = None
+    encoded_s: float = float("nan")  # request sent -> its images encoded, where the client sees it (EPD's hop)
 
 
 @dataclass(frozen=True)

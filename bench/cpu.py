@@ -23,6 +23,24 @@ def _cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5), from field 3
 
 
+def _command_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def cpu_seconds_by_process(services: list[Service]) -> dict[str, float]:
+    """CPU time so far of every process of these services (children included: vLLM's EngineCore and
+    Worker), as {"<service> <command name>": seconds}; processes of one name in a service add up."""
+    seconds: dict[str, float] = {}
+    for service in services:
+        for pid in process_tree(service.process.pid):
+            label = f"{service.name} {_command_name(pid)}"
+            seconds[label] = seconds.get(label, 0.0) + _cpu_ticks(pid) / _TICKS_PER_S
+    return seconds
+
+
 def cpu_seconds(services: list[Service]) -> float:
     """CPU time so far of every process of these services (children included: vLLM's engine)."""
-    return sum(_cpu_ticks(pid) for service in services for pid in process_tree(service.process.pid)) / _TICKS_PER_S
+    return sum(cpu_seconds_by_process(services).values())

@@ -105,7 +105,7 @@ async def epd_chat(client: httpx.AsyncClient, routes: EpdRoutes, body: dict[str,
         return RequestTiming(float("nan"), time.perf_counter() - start, 0, f"{type(error).__name__}: {error}"[:300])
     hop = time.perf_counter() - start
     timing = await stream_chat(client, routes.decode_urls[body["model"]], decode_body(body, params))
-    return RequestTiming(timing.ttft_s + hop, timing.latency_s + hop, timing.completion_tokens, timing.error)
+    return RequestTiming(timing.ttft_s + hop, timing.latency_s + hop, timing.completion_tokens, timing.error, hop)
 
 
 async def run_epd_concurrent(routes: EpdRoutes, bodies: list[dict[str, Any]], timeout_s: float = 900) -> LoadResult:

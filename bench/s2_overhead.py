@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 
 from bench.client import LoadResult, RequestTiming, run_concurrent, run_sequential, stream_chat
-from bench.cpu import cpu_seconds
+from bench.cpu import cpu_seconds_by_process
 from bench.our_stack import StackOptions, start_our_stack
 from bench.outcome import ScenarioResult, Target
 from bench.procs import Service, ServiceGroup
@@ -126,21 +126,24 @@ async def _warm_up(base_urls: dict[str, str], images: list[bytes]) -> list[str]:
 
 async def _measure(
     systems: dict[str, System], keys: list[str], rounds: int, sequential: int
-) -> tuple[dict[str, dict[str, LoadResult]], dict[str, float]]:
+) -> tuple[dict[str, dict[str, LoadResult]], dict[str, dict[str, float]]]:
+    """Each system's loads, and its CPU seconds per concurrent request by process."""
     runs: dict[str, dict[str, LoadResult]] = {name: {} for name in systems}
-    cpu = dict.fromkeys(systems, 0.0)
+    cpu: dict[str, dict[str, float]] = {name: {} for name in systems}
     for round_ in range(rounds + 1):  # round 0 warms both (prefix caches, connections, compiled graphs)
         # Who goes first alternates, so drift in the machine's other load hits both alike.
         for name, system in list(systems.items())[:: 1 if round_ % 2 else -1]:
             await asyncio.sleep(SETTLE_S)
-            before = cpu_seconds(system.services)
+            before = cpu_seconds_by_process(system.services)
             load = await run_concurrent(_requests(system, keys, round_, CONCURRENCY))
             if round_:
                 runs[name][f"round {round_}"] = load
-                cpu[name] += cpu_seconds(system.services) - before
+                for label, seconds in cpu_seconds_by_process(system.services).items():
+                    cpu[name][label] = cpu[name].get(label, 0.0) + seconds - before.get(label, 0.0)
     for name, load in (await _sequential_in_turns(systems, keys, rounds + 1, sequential)).items():
         runs[name]["sequential"] = load
-    return runs, {name: seconds / (rounds * CONCURRENCY) for name, seconds in cpu.items()}
+    requests = rounds * CONCURRENCY
+    return runs, {name: {label: s / requests for label, s in by.items()} for name, by in cpu.items()}
 
 
 async def _sequential_in_turns(
@@ -176,7 +179,11 @@ def _merge(loads: list[LoadResult]) -> LoadResult:
     return LoadResult(sum(load.wall_s for load in loads), [t for load in loads for t in load.timings])
 
 
-def _fill(result: ScenarioResult, runs: dict[str, dict[str, LoadResult]], cpu: dict[str, float], quick: bool) -> None:
+def _fill(
+    result: ScenarioResult, runs: dict[str, dict[str, LoadResult]], cpu_by_process: dict[str, dict[str, float]],
+    quick: bool,
+) -> None:  # fmt: skip
+    cpu = {name: sum(by_process.values()) for name, by_process in cpu_by_process.items()}
     summary = {}
     for name, by_round in runs.items():
         concurrent = _merge([load for label, load in by_round.items() if label != "sequential"]).summary()
@@ -209,6 +216,10 @@ def _fill(result: ScenarioResult, runs: dict[str, dict[str, LoadResult]], cpu: d
     result.chart["output tok/s"] = {name: row["output tok/s"] for name, row in result.rows.items()}
     result.chart["p50 latency ms"] = {name: row["p50 latency ms"] for name, row in result.rows.items()}
     result.chart["CPU ms / request"] = {name: row["CPU ms / request"] for name, row in result.rows.items()}
+    for name, by_process in cpu_by_process.items():  # where each system's CPU goes: the gap by process
+        shares = sorted(by_process.items(), key=lambda item: -item[1])
+        result.notes.append(f"{name}, CPU ms per request by process: "
+                            + ", ".join(f"{label} {seconds * 1e3:.2f}" for label, seconds in shares))  # fmt: skip
     for name, (concurrent, sequential) in summary.items():
         if concurrent["errors"] or sequential["errors"]:
             errors = [t.error for load in runs[name].values() for t in load.timings if t.error]

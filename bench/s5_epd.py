@@ -31,7 +31,8 @@ from bench.our_stack import StackOptions, start_our_stack
 from bench.outcome import ScenarioResult, Target
 from bench.procs import ServiceGroup, memory_of
 from bench.s1_fanout import COLUMNS, IMAGES, MAX_TOKENS, OURS, FanoutOptions, fanout_requests, load_row, ours_load
-from bench.stats import ratio
+from bench.stages import stage_means_ms
+from bench.stats import percentile, ratio
 from bench.vllm_server import encodes_counted
 from bench.workload import QUESTIONS, make_images
 
@@ -58,6 +59,10 @@ def _measure_epd(
     load = asyncio.run(run_epd_concurrent(epd.routes, bodies))
     runs = {name: encodes_counted(path) - before[name] for name, path in epd.count_dirs.items()}
     result.rows[EPD] = load_row(load, sum(runs.values()))
+    hops = [t.encoded_s for t in load.ok]
+    if hops:  # when the consumers could start: the encoder instance answers each request once stored
+        result.notes.append(f"EPD, request sent -> its image's encoder output stored (the encoder hop): "
+                            f"p50 {percentile(hops, 50):.2f} s, max {max(hops):.2f} s")  # fmt: skip
     result.notes.append(f"EPD vision-tower runs by process: {runs}; encoder outputs stored during the run: "
                         f"{stored_items(storage) - stored} files in {storage}")  # fmt: skip
     result.memory += [memory_of(service) for service in group.services]
@@ -96,6 +101,8 @@ def _run_ours(
         result.rows[OURS] = load_row(load, counters["images_encoded"])
         result.notes.append(f"ours: encoder {counters}; vision-tower runs inside our LLM services: "
                             f"{encodes_counted(ours.encode_count_dir)}")  # fmt: skip
+        stages = stage_means_ms(ours.metrics_urls)  # prepare: up to the request's images encoded (or found)
+        result.notes.append("ours, mean s per request: " + ", ".join(f"{k} {ms / 1e3:.2f}" for k, ms in stages.items()))
         result.memory += [memory_of(service) for service in group.services]
         seen = asyncio.run(check_ours(ours.base_url, stack.redis_url, next(iter(options.finetunes)), images[0]))
     finally:

@@ -12,7 +12,7 @@ import os
 import urllib.request
 from pathlib import Path
 
-from bench.procs import REPO, Service, ServiceGroup, http_ok, python_module, wait_until
+from bench.procs import REPO, Service, ServiceFailed, ServiceGroup, http_ok, log_tail, python_module, wait_until
 
 HOOK_DIR = REPO / "bench" / "vllm_hook"
 KV_CACHE_GIB = "1"
@@ -80,8 +80,20 @@ def start_vllm_server(
     return group.start(name, argv, env, weight_bytes, weights)
 
 
+# What a vLLM API server logs when its engine died: the server itself stays up, answering /health
+# with 503, so without this a dead engine would be waited on until the timeout.
+ENGINE_DEAD = ("EngineDeadError", "Engine core initialization failed")
+
+
 def wait_vllm_ready(service: Service, port: int, timeout_s: float) -> None:
-    wait_until(service, http_ok(f"http://127.0.0.1:{port}/health"), timeout_s)
+    health = http_ok(f"http://127.0.0.1:{port}/health")
+
+    def ready() -> bool:
+        if any(marker in log_tail(service, 200) for marker in ENGINE_DEAD):
+            raise ServiceFailed(f"{service.name}: its vLLM engine died while starting:\n{log_tail(service)}")
+        return health()
+
+    wait_until(service, ready, timeout_s)
 
 
 def reset_prefix_cache(port: int) -> None:
