@@ -12,14 +12,13 @@ environment (1 GiB KV cache, the encode-counting hook), as the other baselines d
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.epd_proxy import EpdRoutes
 from bench.procs import Service, ServiceGroup, python_module
-from bench.vllm_server import MAX_MODEL_LEN, vllm_env, wait_vllm_ready
+from bench.vllm_server import MAX_MODEL_LEN, all_cores, vllm_env, wait_vllm_ready
 from bench.weights import count_weights
 from scripts.ports import free_port
 
@@ -36,14 +35,6 @@ CACHE_FILE = "encoder_cache.safetensors"
 # serves.
 START_UP = ["--skip-mm-profiling"]
 PRODUCER_LIMITS = ["--limit-mm-per-prompt", json.dumps({"image": 1, "video": 0})]
-
-
-def all_cores() -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for every core this process may use. vLLM on CPU binds a worker's
-    OpenMP threads to all cores but one, kept for its scheduler (on 2 cores: threads on core 0), so
-    by default the encoder instance would encode on one core where our encoder uses every core. It
-    gets them all, as ours has; the consumers keep the default, as our LLM services' engines do."""
-    return ",".join(str(core) for core in sorted(os.sched_getaffinity(0)))
 
 
 @dataclass

@@ -26,7 +26,7 @@ from bench.client import run_sequential
 from bench.outcome import ScenarioResult, Target
 from bench.procs import ServiceGroup, grpc_serving, python_module, wait_until
 from bench.stats import ratio
-from bench.vllm_server import start_vllm_server, wait_vllm_ready
+from bench.vllm_server import all_cores, start_vllm_server, wait_vllm_ready
 from bench.weights import count_weights
 from bench.workload import QUESTIONS, chat_body, image_url_part, make_images
 from encoder_service.images import load_image
@@ -111,13 +111,14 @@ def _vllm_tower_seconds(group: ServiceGroup, checkpoint: Path, dtype: str, image
 
     --enforce-eager: vLLM runs its vision tower eagerly either way; without it, start-up compiles
     the language model and runs a profiling batch of dummy images through the tower (many minutes
-    on a CPU without bfloat16 kernels).
+    on a CPU without bfloat16 kernels). Every core, as our encoder has: by default vLLM's worker
+    leaves one core to its scheduler, which on two cores halves its tower's speed.
     """
     port = free_port()
     weight_bytes = count_weights(checkpoint).total_bytes(dtype)
     service = start_vllm_server(group, "vllm-tower", "base", checkpoint, port, dtype, embeds_only=False,
                                 weight_bytes=weight_bytes, weights=f"vision tower + language model, {dtype}",
-                                eager=True)  # fmt: skip
+                                eager=True, every_core=True)  # fmt: skip
     wait_vllm_ready(service, port, 900)
     times_dir = group.log_dir / "vllm-tower.encodes"  # where start_vllm_server points the hook
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
@@ -168,8 +169,8 @@ def run(
     result.notes.append(
         f"tower rows: one image per forward pass after an untimed one, until {TOWER_IMAGES} images or "
         f"{TOWER_SECONDS:.0f} s of passes; ours timed in the benchmark process (VisionEncoder.encode_batch), "
-        "vLLM's by bench/vllm_hook around _process_image_input of a stock vLLM OpenAI server (--enforce-eager), "
-        "one chat request per image"
+        "vLLM's by bench/vllm_hook around _process_image_input of a stock vLLM OpenAI server (--enforce-eager, "
+        f"its worker's threads on cores {all_cores()} as ours may use), one chat request per image"
     )
     result.chart["images/s"] = {name: row["images/s"] for name, row in result.rows.items()}
     return result

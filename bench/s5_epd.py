@@ -26,14 +26,14 @@ from bench.client import LoadResult
 from bench.epd_checks import EVICTION, TOPICS, check_epd, remove_storage, storage_left
 from bench.epd_ours_checks import check_ours
 from bench.epd_proxy import run_epd_concurrent
-from bench.epd_servers import all_cores, start_epd, stored_items
+from bench.epd_servers import start_epd, stored_items
 from bench.our_stack import StackOptions, start_our_stack
 from bench.outcome import ScenarioResult, Target
 from bench.procs import ServiceGroup, memory_of
 from bench.s1_fanout import COLUMNS, IMAGES, MAX_TOKENS, OURS, FanoutOptions, fanout_requests, load_row, ours_load
 from bench.stages import stage_means_ms
 from bench.stats import percentile, ratio
-from bench.vllm_server import encodes_counted
+from bench.vllm_server import all_cores, encodes_counted
 from bench.workload import QUESTIONS, make_images
 
 EPD = "EPD (vLLM encoder instance + a consumer per fine-tune)"

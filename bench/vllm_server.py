@@ -30,6 +30,15 @@ def vllm_env(encode_count_dir: Path) -> dict[str, str]:
     }
 
 
+def all_cores() -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for every core this process may use. vLLM on CPU binds a worker's
+    OpenMP threads to all cores but one, kept for its scheduler (on 2 cores: threads on core 0), so
+    by default a vLLM running a vision tower would encode on one core where our encoder uses every
+    core. Such an instance (EPD's encoder, scenario 4's tower) gets them all, as ours has; decoding
+    instances keep the default, as our LLM services' engines do."""
+    return ",".join(str(core) for core in sorted(os.sched_getaffinity(0)))
+
+
 def encodes_counted(encode_count_dir: Path) -> int:
     """Images run through a vision tower by the processes that write to this directory."""
     total = 0
@@ -55,6 +64,7 @@ def start_vllm_server(
     python: str | None = None,
     eager: bool = False,
     cache_reset: bool = False,
+    every_core: bool = False,
 ) -> Service:
     """`python -m vllm.entrypoints.openai.api_server` for one checkpoint, served as `served_name`;
     `name` names the service in logs and the memory table.
@@ -63,6 +73,7 @@ def start_vllm_server(
     as our LLM service's engine does); otherwise a stock server that encodes `image_url` itself.
     eager: `--enforce-eager`, as our services get LLM_ENFORCE_EAGER (quick runs: no torch.compile).
     cache_reset: vLLM's development endpoints (VLLM_SERVER_DEV_MODE), for reset_prefix_cache().
+    every_core: its worker's threads on every core (all_cores), not vLLM's default of all but one.
     """
     argv = [
         *python_module("vllm.entrypoints.openai.api_server", python),
@@ -77,6 +88,8 @@ def start_vllm_server(
     env = vllm_env(group.log_dir / f"{name}.encodes")
     if cache_reset:
         env["VLLM_SERVER_DEV_MODE"] = "1"
+    if every_core:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = all_cores()
     return group.start(name, argv, env, weight_bytes, weights)
 
 
