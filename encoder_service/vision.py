@@ -20,7 +20,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from encoder_service.batch_invariant import make_batch_invariant
-from encoder_service.fast_tower import make_fast
+from encoder_service.fast_tower import CpuMatmul, make_fast
 from encoder_service.pixels import resize_like_autoprocessor, target_size
 from encoder_service.resize import check_aspect_ratio
 from shared.blob import tokens_for_grid
@@ -79,9 +79,11 @@ class VisionEncoder:
     """Preprocesses PIL images and encodes batches of them into LM-space embeddings.
 
     An image's embeddings are bit-identical whichever images share its batch (see
-    batch_invariant.py): stored blobs are keyed by the image. In float32 they equal what the
-    unmodified tower gives for it alone; a bfloat16 tower on a CPU without bfloat16 matmul kernels
-    multiplies in float32 (fast_tower.py), within bfloat16 rounding of the unmodified one.
+    batch_invariant.py): stored blobs are keyed by the image. On CPU a float32 tower's linear
+    layers run in oneDNN (fast_tower.py), within float rounding of the unmodified tower; with
+    cpu_matmul="exact" (and on GPU) they equal what the unmodified tower gives for it alone. A
+    bfloat16 tower on a CPU without bfloat16 matmul kernels multiplies in float32, within bfloat16
+    rounding of the unmodified one.
     """
 
     def __init__(
@@ -90,15 +92,18 @@ class VisionEncoder:
         processor: Qwen2VLImageProcessorPil,
         device: torch.device,
         dtype: torch.dtype,
+        cpu_matmul: CpuMatmul = "onednn",
     ) -> None:
         # make_fast first: make_batch_invariant runs the forwards it sets once per image.
-        self.tower = make_batch_invariant(make_fast(tower))
+        self.tower = make_batch_invariant(make_fast(tower, cpu_matmul))
         self.processor = processor
         self.device = device
         self.dtype = dtype
 
     @classmethod
-    def load(cls, checkpoint: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> VisionEncoder:
+    def load(
+        cls, checkpoint: str, device: str = "cpu", dtype: torch.dtype = torch.float32, cpu_matmul: CpuMatmul = "onednn"
+    ) -> VisionEncoder:
         checkpoint_dir = Path(checkpoint)
         vision_config = AutoConfig.from_pretrained(checkpoint_dir).vision_config
         # Weights are overwritten right below; skipping the random init saves seconds on a real tower.
@@ -112,7 +117,7 @@ class VisionEncoder:
                 f"image processor merge_size {processor.merge_size} != "
                 f"vision spatial_merge_size {vision_config.spatial_merge_size} in {checkpoint_dir}"
             )
-        return cls(tower, processor, torch.device(device), dtype)
+        return cls(tower, processor, torch.device(device), dtype, cpu_matmul)
 
     @property
     def merge_size(self) -> int:
