@@ -23,9 +23,10 @@ tower's dtype.
 
 float32 towers on CPU (cpu_matmul="onednn", the default): the linear layers run in that same
 oneDNN float32 matmul instead of torch's default MKL one, as vLLM's CPU linear layers do. Measured
-on 2 AMD EPYC cores (2026-12-03, /tmp/mmb2.py-style microbench of the 2B-shaped tower's four
-shapes at 1024 rows): 49/16/66/65 ms against 70/20/95/83 ms per product, and a whole 448x448
-forward pass 9.0-9.8 s against 12.0-12.7 s. The sums run in another order, so values differ from
+on 2 AMD EPYC cores (2026-12-03; F.linear against torch.ops.mkldnn._linear_pointwise, ten calls
+each, on the 2B-shaped tower's four shapes at 1024 rows): 49/16/66/65 ms against 70/20/95/83 ms
+per product (qkv, proj, fc1, fc2), and a whole 448x448 forward pass 9.0-9.8 s against 12.0-12.7 s;
+scenario 4 of `make bench` times the tower against vLLM's. The sums run in another order, so values differ from
 transformers' tower by float rounding (~1e-5 absolute at std ~0.6); cpu_matmul="exact" keeps
 torch's kernels and transformers' bits. CPUs with bfloat16 kernels and GPUs are left as they are.
 """
