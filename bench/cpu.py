@@ -39,8 +39,3 @@ def cpu_seconds_by_process(services: list[Service]) -> dict[str, float]:
             label = f"{service.name} {_command_name(pid)}"
             seconds[label] = seconds.get(label, 0.0) + _cpu_ticks(pid) / _TICKS_PER_S
     return seconds
-
-
-def cpu_seconds(services: list[Service]) -> float:
-    """CPU time so far of every process of these services (children included: vLLM's engine)."""
-    return sum(cpu_seconds_by_process(services).values())

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from encoder_service.fast_tower import CpuMatmul
 from shared.settings import GrpcServerSettings, StoreSettings
 
 
@@ -21,7 +22,7 @@ class EncoderSettings(StoreSettings, GrpcServerSettings):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Vision tower dtype; stored blobs keep it."
     )
-    cpu_matmul: Literal["onednn", "exact"] = Field(
+    cpu_matmul: CpuMatmul = Field(
         "onednn",
         description="float32 tower on CPU: onednn runs its linear layers in oneDNN's matmul, as vLLM does (measured "
         "25-30% faster a forward pass than torch's default kernels; values within float rounding of "
