@@ -8,7 +8,9 @@ from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from gateway.unicode_text import first_surrogate
 from shared.blob import Modality
+from shared.errors import InvalidInput
 from shared.sampling_limits import MAX_STOP_STRINGS, SAMPLING_BOUNDS
 
 # Bounds that keep values inside the gRPC field types (int32/int64); the services
@@ -23,6 +25,24 @@ class StrictRequest(BaseModel):
     a JSON string; a float field takes integers too (`"temperature": 1`), never strings."""
 
     model_config = ConfigDict(strict=True)
+
+
+class RequestBody(StrictRequest):
+    """Base of every endpoint's body: before any field is read, no string or key in it may hold a
+    lone UTF-16 surrogate (gateway/unicode_text.py). Raised as InvalidInput, not ValueError, so
+    the error names the field by its JSON path whatever model or union it sits in."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_only(cls, data: Any) -> Any:
+        where = first_surrogate(data)
+        if where is not None:
+            raise InvalidInput(
+                f"{where or 'the body'} holds a lone UTF-16 surrogate (an escape such as \\ud800 with no pair), "
+                "which is not a character; send text as valid Unicode",
+                param=where or None,
+            )
+        return data
 
 
 class TextPart(StrictRequest):
@@ -180,7 +200,7 @@ def _sampling(param: str, description: str) -> Any:
     return Field(None, description=description, **bounds)
 
 
-class ChatCompletionRequest(StrictRequest):
+class ChatCompletionRequest(RequestBody):
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(min_length=1, description="Model name, as listed by GET /v1/models.")
@@ -226,7 +246,7 @@ class ChatCompletionRequest(StrictRequest):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-class EncodeImageRequest(StrictRequest):
+class EncodeImageRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
     image_url: str = Field(min_length=1, description="An http(s) URL or a data:image/...;base64 URL.")
     min_pixels: int = Field(0, ge=0, le=MAX_PIXELS_BOUND, description="0 = the encoder's default.")
@@ -249,7 +269,7 @@ class EncodeMediaResponse(BaseModel):
     )
 
 
-class EncodeVideoRequest(StrictRequest):
+class EncodeVideoRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
     frames: list[Annotated[str, Field(min_length=1)]] = Field(
         min_length=1, max_length=MAX_FRAMES_BOUND, description="Frame images in order: http(s) or data:image URLs."

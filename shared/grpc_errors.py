@@ -11,12 +11,14 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
-from shared.errors import EmbeddingNotFound, Internal, ServiceError, Unavailable, error_class_for
-from shared.grpc_wrap import WrappingInterceptor
+from shared.errors import EmbeddingNotFound, Internal, InvalidInput, ServiceError, Unavailable, error_class_for
+from shared.grpc_wrap import Deserializer, WrappingInterceptor
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +67,35 @@ async def _answer(context: grpc.aio.ServicerContext, error: BaseException, kind:
         await _abort(context, Internal("internal error; see the service log"))
 
 
+@dataclass(frozen=True)
+class _Undecodable:
+    """Stands for request bytes that are not the method's message. grpc answers a deserializer that
+    raises with UNKNOWN, a server fault; bytes a client sent wrong are its mistake, so the call
+    goes on with this and is answered INVALID_ARGUMENT inside the error mapping."""
+
+    error: str
+
+
+def _tolerant(deserializer: Deserializer) -> Deserializer:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as error:  # protobuf's only parse error: corrupt wire format, bad UTF-8
+            return _Undecodable(str(error))
+
+    return parse
+
+
+def _decoded(request: Any) -> Any:
+    if isinstance(request, _Undecodable):
+        raise InvalidInput(f"the request message does not parse: {request.error}")
+    return request
+
+
 def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await behavior(request, context)
+            return await behavior(_decoded(request), context)
         except (Exception, asyncio.CancelledError) as error:
             await _answer(context, error, "unary")
 
@@ -78,7 +105,7 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaita
 def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            async for item in behavior(request, context):
+            async for item in behavior(_decoded(request), context):
                 yield item
         # Not GeneratorExit: a closed stream must close, not be answered.
         except (Exception, asyncio.CancelledError) as error:
@@ -88,10 +115,11 @@ def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., A
 
 
 class ErrorMappingInterceptor(WrappingInterceptor):
-    """Turns ServiceError into its status code; anything else into INTERNAL (logged)."""
+    """Turns ServiceError into its status code, a request message that does not parse into
+    INVALID_ARGUMENT, and anything else into INTERNAL (logged)."""
 
     def __init__(self) -> None:
-        super().__init__(_wrap_unary, _wrap_stream)
+        super().__init__(_wrap_unary, _wrap_stream, _tolerant)
 
 
 def _metadata_value(metadata: Any, key: str) -> str | None:

@@ -15,18 +15,24 @@ StreamBehavior = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
 # Made per call from its context; entered as the call starts, left as it ends, with the error it
 # ended with (a stream's client going away ends it with CancelledError or GeneratorExit).
 CallScope = Callable[[grpc.aio.ServicerContext], AbstractContextManager[Any]]
+Deserializer = Callable[[bytes], Any]
 
 
 def rewrap(
     handler: grpc.RpcMethodHandler | None,
     wrap_unary: Callable[[UnaryBehavior], UnaryBehavior],
     wrap_stream: Callable[[StreamBehavior], StreamBehavior],
+    wrap_deserializer: Callable[[Deserializer], Deserializer] | None = None,
 ) -> grpc.RpcMethodHandler | None:
-    """The same handler with its unary-unary or unary-stream behaviour wrapped; others as they are."""
+    """The same handler with its unary-unary or unary-stream behaviour (and, if given, its request
+    deserializer) wrapped; others as they are."""
     if handler is None:
         return None
+    deserializer = handler.request_deserializer
+    if wrap_deserializer is not None and deserializer is not None:
+        deserializer = wrap_deserializer(deserializer)
     serializers = {
-        "request_deserializer": handler.request_deserializer,
+        "request_deserializer": deserializer,
         "response_serializer": handler.response_serializer,
     }
     if handler.unary_unary:
@@ -62,19 +68,23 @@ def within(handler: grpc.RpcMethodHandler | None, scope: CallScope) -> grpc.RpcM
 
 
 class WrappingInterceptor(grpc.aio.ServerInterceptor):
-    """Applies `wrap_unary` / `wrap_stream` around the behaviour of every call."""
+    """Applies `wrap_unary` / `wrap_stream` around the behaviour of every call (and
+    `wrap_deserializer` around its request deserializer)."""
 
     def __init__(
         self,
         wrap_unary: Callable[[UnaryBehavior], UnaryBehavior],
         wrap_stream: Callable[[StreamBehavior], StreamBehavior],
+        wrap_deserializer: Callable[[Deserializer], Deserializer] | None = None,
     ) -> None:
         self._wrap_unary = wrap_unary
         self._wrap_stream = wrap_stream
+        self._wrap_deserializer = wrap_deserializer
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
-        return rewrap(await continuation(handler_call_details), self._wrap_unary, self._wrap_stream)
+        handler = await continuation(handler_call_details)
+        return rewrap(handler, self._wrap_unary, self._wrap_stream, self._wrap_deserializer)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -117,6 +118,11 @@ CASES = [
     BadRequest("image_url null, uuid naming nothing stored", lambda m, s, e: _chat(
         m, s, [{"type": "image_url", "image_url": None, "uuid": f"emb:v1:{e}:" + "0" * 64}, _text("hi")]), 404,
         "embedding_not_found"),
+    # JSON escapes of lone UTF-16 surrogates: valid JSON, but no character; 500 before RequestBody.
+    BadRequest("lone surrogate in text", lambda m, s, e: json.dumps(_chat(m, s, [_text("a\ud800b")])).encode(), 400,
+               param="messages[0].content[0].text"),
+    BadRequest("lone surrogate in a stop string", lambda m, s, e: json.dumps(_chat(m, s, "hi", stop=["\udc00"])).encode(),
+               400, param="stop[0]"),
     BadRequest("tool role", lambda m, s, e: {**_chat(m, s, "hi"), "messages": [{"role": "tool", "content": "x"}]},
                400, param="messages[0].role"),
 ]  # fmt: skip
@@ -188,3 +194,12 @@ def test_encode_endpoint_mistakes_are_4xx_naming_the_problem(
     assert response.headers.get("x-request-id")
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and says in error["message"], error
+
+
+@pytest.mark.parametrize("path", ["/v1/images/encode", "/v1/videos/encode"])
+def test_encode_endpoints_refuse_a_lone_surrogate_naming_the_field(stack: Stack, path: str) -> None:
+    body = {"image_url": "data:image/png;base64,\ud800"} if "images" in path else {"frames": ["\udfff"]}
+    raw = json.dumps(body).encode()  # ensure_ascii: the surrogate travels as a JSON escape
+    response = httpx.post(f"{stack.base_url}{path}", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text[:500]
+    assert response.json()["error"]["param"] == ("image_url" if "images" in path else "frames[0]")

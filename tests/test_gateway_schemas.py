@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from fastapi.routing import APIRoute
 from pydantic import ValidationError
 
-from gateway.schemas import ChatCompletionRequest, ImageUrlPart
+from gateway.app import create_app
+from gateway.schemas import ChatCompletionRequest, ImageUrlPart, RequestBody
+from gateway.settings import GatewaySettings
+from shared.errors import InvalidInput
 
 
 def _request(message: dict) -> ChatCompletionRequest:
@@ -31,3 +37,34 @@ def test_image_url_null_with_a_uuid_is_a_stored_key_and_a_uuid_beside_an_image_i
 def test_image_url_null_without_a_uuid_is_refused() -> None:
     with pytest.raises(ValidationError, match="name a stored image with uuid"):
         ImageUrlPart.model_validate({"type": "image_url", "image_url": None})
+
+
+def test_every_endpoint_body_refuses_lone_surrogates() -> None:
+    """The surrogate check lives in RequestBody; a new endpoint whose body skips it would let one
+    through to protobuf or the logs, and answer 500."""
+    app = create_app(GatewaySettings())
+    bodies = [r.body_field.field_info.annotation for r in app.routes if isinstance(r, APIRoute) and r.body_field]
+    assert len(bodies) >= 3
+    for body in bodies:
+        assert isinstance(body, type) and issubclass(body, RequestBody), body
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        ('{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),
+        ('{"model": "m\\udfff", "messages": [{"role": "user", "content": "hi"}]}', "model"),
+        ('{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": ["x", "\\ud83d"]}', "stop[1]"),
+        ('{"model": "m", "\\udc00": 1, "messages": [{"role": "user", "content": "hi"}]}', "\\udc00"),
+    ],
+)
+def test_a_lone_surrogate_is_refused_naming_where_it_is(raw: str, param: str) -> None:
+    with pytest.raises(InvalidInput) as raised:
+        ChatCompletionRequest.model_validate(json.loads(raw))
+    assert raised.value.param == param
+    raised.value.message.encode()  # the error itself must be sendable as UTF-8
+
+
+def test_a_surrogate_pair_is_one_character_and_accepted() -> None:
+    body = json.loads('{"model": "m", "messages": [{"role": "user", "content": "\\ud83d\\ude00 h\\u00e9"}]}')
+    assert ChatCompletionRequest.model_validate(body).messages[0].content == "\U0001f600 h\u00e9"
