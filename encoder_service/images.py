@@ -1,18 +1,21 @@
-"""Turning client bytes into a decoded RGB image, safely.
+"""Turning client bytes into a decoded RGB image, safely, upright.
 
 Bytes that are not an image, a truncated file, or a decompression bomb are
-refused with InvalidInput before more than the header is decoded.
+refused with InvalidInput before more than the header is decoded. An EXIF orientation (what a
+phone camera writes instead of rotating the pixels) is applied, as transformers' `load_image` and
+vLLM's image loader both do: the model sees the picture as people see it.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import io
 import re
 import warnings
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from shared.errors import InvalidInput, TooLarge, clip
 
@@ -60,4 +63,12 @@ def load_image(data: bytes, max_decoded_pixels: int, param: str = "image") -> Im
         ) from None
     if image.width < 1 or image.height < 1:
         raise InvalidInput("image has no pixels", param=param)
-    return image.convert("RGB")
+    return upright(image).convert("RGB")
+
+
+def upright(image: Image.Image) -> Image.Image:
+    """The image turned as its EXIF orientation says; as it is when it has none. A tag Pillow
+    cannot read leaves the image as it is, as vLLM does: the pixels themselves are fine."""
+    with contextlib.suppress(Exception):
+        return ImageOps.exif_transpose(image)
+    return image

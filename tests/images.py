@@ -23,3 +23,13 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
 
 def pil_image(data: bytes) -> Image.Image:
     return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+def with_orientation(image: Image.Image, orientation: int, fmt: str = "JPEG") -> bytes:
+    """The image's pixels as they are, saved with an EXIF orientation tag (1-8), as phone cameras
+    save photos: viewers (and transformers' and vLLM's loaders) turn it upright when shown."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation  # Orientation
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, exif=exif)
+    return buffer.getvalue()

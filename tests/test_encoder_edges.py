@@ -5,13 +5,16 @@ huge image that must not hold up a small one."""
 from __future__ import annotations
 
 import asyncio
+import io
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from encoder_service.batcher import LanedBatcher
 from encoder_service.server import EncoderServer, start_encoder_server
@@ -21,7 +24,8 @@ from shared.errors import IncompatibleEncoder, InvalidEmbedding, InvalidInput
 from shared.pb.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from shared.sdk import AsyncEncoderClient, EncoderClient
 from tests.harness import BackgroundLoop, RedisServer
-from tests.images import png_bytes
+from tests.images import png_bytes, with_orientation
+from tests.model_fixtures import make_image
 
 HUGE_SIDE = 2240  # 25,600 patches: seconds of forward pass even on the tiny tower (attention is quadratic)
 
@@ -194,3 +198,18 @@ async def test_batches_are_capped_by_cost_and_costly_items_take_their_own_lane()
     assert results == [-5, -5, -5, -50, -1]
     # In arrival order, never skipping ahead: 5+5 fits 12, the third 5 opens the next pass.
     assert sorted(passes) == [[5, 1], [5, 5], [50]] and batcher.batches_run == 3
+
+
+def test_a_photo_with_an_exif_rotation_is_encoded_upright(encoder: EncoderServer) -> None:
+    """Orientation 6 ("rotate 90 clockwise to show"), as phone cameras save portrait photos: its
+    embeddings equal those of the same picture stored already turned, over gRPC and Redis."""
+    picture = make_image(61, 120, 60)  # 120 wide as stored, 60 wide as shown
+    tagged = with_orientation(picture, 6, fmt="PNG")
+    turned = io.BytesIO()
+    picture.transpose(Image.Transpose.ROTATE_270).save(turned, "PNG")  # what orientation 6 means
+    with EncoderClient(_target(encoder)) as client:
+        blobs = [decode_blob(client.get_embedding(client.encode(image_bytes=data).key), encoder.core.rules)
+                 for data in (tagged, turned.getvalue())]  # fmt: skip
+    (_, height, width), (_, *turned_grid) = blobs[0].grid_thw.tolist()[0], blobs[1].grid_thw.tolist()[0]
+    assert [height, width] == turned_grid and height > width, (height, width)  # portrait, as shown
+    assert np.array_equal(blobs[0].embeds, blobs[1].embeds)

@@ -10,8 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoImageProcessor
+from transformers.image_utils import load_image as transformers_load_image
 
+from encoder_service.images import load_image
 from encoder_service.vision import VisionEncoder
+from tests.images import data_url, with_orientation
 from tests.model_fixtures import make_image
 
 pytest.importorskip("torchvision", reason="transformers' default Qwen2-VL processor needs torchvision")
@@ -49,5 +52,20 @@ def test_pixels_equal_at_custom_bounds(encoder: VisionEncoder, default_processor
     low, high = 56 * 56, 28 * 28 * 40
     pixels, grid = encoder.preprocess(image, min_pixels=low, max_pixels=high)
     expected = default_processor(images=[image], size={"shortest_edge": low, "longest_edge": high}, return_tensors="pt")
+    assert grid.tolist() == expected["image_grid_thw"].tolist()
+    assert float((pixels - expected["pixel_values"]).abs().max()) <= ULP
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_an_exif_orientation_is_applied_as_transformers_load_image_does(
+    encoder: VisionEncoder, default_processor, orientation: int
+) -> None:  # type: ignore[no-untyped-def]
+    """A photo whose EXIF says "rotate 90" is encoded upright: transformers' `load_image` (what its
+    processors do with a URL or base64 image) and vLLM's loader both turn it. Orientations 5-8
+    swap width and height, so the grid shows it too; before encoder_service/images.py applied
+    the tag, the encoder saw the pixels as stored."""
+    data = with_orientation(make_image(orientation, 100, 60), orientation, fmt="PNG")
+    pixels, grid = encoder.preprocess(load_image(data, max_decoded_pixels=10**6))
+    expected = default_processor(images=[transformers_load_image(data_url(data))], return_tensors="pt")
     assert grid.tolist() == expected["image_grid_thw"].tolist()
     assert float((pixels - expected["pixel_values"]).abs().max()) <= ULP
