@@ -49,10 +49,24 @@ def validation_error(exc: RequestValidationError) -> InvalidInput:
     return InvalidInput(f"{param}: {message}" if param else message, param=param)
 
 
+def _body_parse_message(exc: HTTPException) -> str | None:
+    """What FastAPI's "There was an error parsing the body" was: a body that is not UTF-8, or JSON
+    Python's parser gives up on (nesting past its recursion limit, an integer of thousands of
+    digits), said in words the client can act on; None for any other HTTP error."""
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return "request body is not valid UTF-8 JSON"
+    if isinstance(cause, RecursionError):
+        return "request body is not valid JSON here: it nests arrays or objects too deeply"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return "request body is not valid JSON here: a number in it has too many digits"
+    return None
+
+
 def http_error_response(exc: HTTPException) -> JSONResponse:
     """Starlette's and FastAPI's own HTTP errors (unknown route, wrong method, a body that is not
     UTF-8) in the OpenAI shape, as the domain class with that status (its most general one)."""
-    message = "request body is not valid UTF-8 JSON" if isinstance(exc.__cause__, UnicodeDecodeError) else exc.detail
+    message = _body_parse_message(exc) or exc.detail
     classes = [cls for cls in ERROR_CLASSES if cls.kind.http_status == exc.status_code]
     if classes:
         error = classes[-1](str(message))

@@ -57,6 +57,21 @@ def test_malformed_json_is_400(stack: Stack) -> None:
 
 
 @pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "nests"),
+        (b'{"model": "ft-a", "messages": [], "max_tokens": ' + b"9" * 5000 + b"}", "too many digits"),
+    ],
+    ids=["nested-100k-deep", "5000-digit-integer"],
+)
+def test_json_the_parser_gives_up_on_is_400_saying_why(stack: Stack, raw: bytes, says: str) -> None:
+    """Valid JSON that Python's parser refuses (its recursion limit, its 4300-digit integer limit):
+    before, FastAPI's bare "There was an error parsing the body"."""
+    error = _assert_error(_chat(stack, None, raw=raw), 400)
+    assert says in error["message"], error
+
+
+@pytest.mark.parametrize(
     ("body", "param"),
     [
         ({"model": "ft-a"}, "messages"),
