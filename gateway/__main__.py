@@ -22,6 +22,9 @@ def main() -> None:
         host=settings.host,
         port=settings.port,
         log_config=None,
+        # The summary line (gateway.requests) is the access log: uvicorn's own would add a second,
+        # thinner line per request and one per probe, which the summary leaves out on purpose.
+        access_log=False,
         # Named, not "auto": without them uvicorn falls back, silently, to asyncio and h11, which
         # spend several times the CPU per request and per streamed chunk (both are dependencies).
         loop="uvloop",

@@ -218,3 +218,22 @@ def test_every_service_runs_on_uvloop_and_the_gateway_parses_http_with_httptools
     for name, pid in stack.pids().items():
         assert "uvloop/loop.cpython" in _loaded_libraries(pid), f"{name} does not run on uvloop"
     assert "httptools/parser/parser.cpython" in _loaded_libraries(stack.pid("gateway"))
+
+
+def test_the_gateway_process_logs_one_line_per_request_and_none_per_probe(stack: ProcessStack) -> None:
+    """The running gateway (`python -m gateway`) writes its summary line per API request and
+    nothing per probe. uvicorn's own access log wrote a second, thinner line for each request and
+    one for every probe a kubelet sends, which the summary deliberately leaves out."""
+    log = stack.log_dir / "gateway.log"
+    seen = len(log.read_text().splitlines())
+    assert httpx.get(f"{stack.base_url}/livez", timeout=10).status_code == 200
+    assert chat(stack, "ft-a", max_tokens=2).status_code == 200
+
+    def written() -> list[str]:
+        return log.read_text().splitlines()[seen:]
+
+    wait_for(lambda: any("gateway.requests" in line for line in written()), 10, "the summary line", stack)
+    time.sleep(0.5)  # anything else about the two requests would be written by now
+    summaries = [line for line in written() if "gateway.requests" in line]
+    assert len(summaries) == 1 and "POST /v1/chat/completions 200" in summaries[0], written()
+    assert not [line for line in written() if "uvicorn.access" in line or "/livez" in line], written()
