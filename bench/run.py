@@ -45,7 +45,9 @@ def parse_args() -> argparse.Namespace:
         prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--quick", action="store_true", help="scenarios 2 and 3 at small sizes (regression check, < 2 min)"
+        "--quick",
+        action="store_true",
+        help="scenarios 2 and 3 at small sizes (regression check, about 4 min on 2 cores)",
     )
     parser.add_argument(
         "--scenarios", default=None, help="comma-separated subset of 1,2,3,4,5 (default: all; --quick: 2,3)"

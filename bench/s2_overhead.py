@@ -42,7 +42,7 @@ from bench.our_stack import StackOptions, start_our_stack
 from bench.outcome import ScenarioResult, Target
 from bench.procs import Service, ServiceGroup
 from bench.stages import stage_means_ms
-from bench.stats import ratio
+from bench.stats import median_interval, ratio
 from bench.vllm_server import encodes_counted, start_vllm_server, wait_vllm_ready
 from bench.weights import count_weights
 from bench.workload import QUESTIONS, chat_body, data_url, make_images
@@ -164,15 +164,20 @@ async def _sequential_in_turns(
     return {name: LoadResult(sum(t.latency_s for t in done), done) for name, done in timings.items()}
 
 
-def paired_overhead_ms(ours: LoadResult, direct: LoadResult, field: str = "latency_s") -> float:
-    """Median over request pairs (same question, same image, sent in turn) of ours minus direct, in
-    `field` of their timings; pairs where either failed or has no value are left out."""
-    pairs = [
-        getattr(o, field) - getattr(d, field)
+def paired_differences_ms(ours: LoadResult, direct: LoadResult, field: str = "latency_s") -> list[float]:
+    """Ours minus direct in `field`, in ms, per request pair (same question, same image, sent in
+    turn); pairs where either failed or has no value are left out."""
+    return [
+        (getattr(o, field) - getattr(d, field)) * 1e3
         for o, d in zip(ours.timings, direct.timings, strict=True)
         if not (o.error or d.error or math.isnan(getattr(o, field)) or math.isnan(getattr(d, field)))
     ]
-    return statistics.median(pairs) * 1e3 if pairs else float("nan")
+
+
+def paired_overhead_ms(ours: LoadResult, direct: LoadResult, field: str = "latency_s") -> float:
+    """Median of the paired differences (paired_differences_ms); NaN when no pair is left."""
+    pairs = paired_differences_ms(ours, direct, field)
+    return statistics.median(pairs) if pairs else float("nan")
 
 
 def _merge(loads: list[LoadResult]) -> LoadResult:
@@ -200,9 +205,16 @@ def _fill(
     throughput = ratio(ours["output_tok_s"], direct["output_tok_s"])
     overhead_ms = (ours["latency_p50_s"] - direct["latency_p50_s"]) * 1e3
     sequential_ms = paired_overhead_ms(runs[OURS]["sequential"], runs[DIRECT]["sequential"])
+    # One request at a time takes ~0.1 s and varies by several ms either way from the engines'
+    # scheduling alone, so a median of a few dozen pairs is a few ms uncertain: the interval says
+    # how far, and whether the target is within reach of the noise.
+    pairs = paired_differences_ms(runs[OURS]["sequential"], runs[DIRECT]["sequential"])
+    sequential_low, sequential_high = median_interval(pairs)
     result.ratios["throughput ours / direct"] = throughput
     result.ratios["p50 latency overhead ms (32 concurrent)"] = overhead_ms
     result.ratios["p50 latency overhead ms (sequential, paired)"] = sequential_ms
+    result.ratios["p50 latency overhead ms (sequential, paired): 95% interval low"] = sequential_low
+    result.ratios["p50 latency overhead ms (sequential, paired): 95% interval high"] = sequential_high
     result.ratios["p50 TTFT overhead ms (sequential, paired)"] = paired_overhead_ms(
         runs[OURS]["sequential"], runs[DIRECT]["sequential"], "ttft_s"
     )
@@ -216,6 +228,10 @@ def _fill(
     result.chart["output tok/s"] = {name: row["output tok/s"] for name, row in result.rows.items()}
     result.chart["p50 latency ms"] = {name: row["p50 latency ms"] for name, row in result.rows.items()}
     result.chart["CPU ms / request"] = {name: row["CPU ms / request"] for name, row in result.rows.items()}
+    result.notes.append(
+        f"sequential, paired latency overhead: median of {len(pairs)} pairs {sequential_ms:.1f} ms, 95% interval"
+        f" [{sequential_low:.1f}, {sequential_high:.1f}] ms (order statistics of the paired differences)"
+    )
     for name, by_process in cpu_by_process.items():  # where each system's CPU goes: the gap by process
         shares = sorted(by_process.items(), key=lambda item: -item[1])
         result.notes.append(f"{name}, CPU ms per request by process: "
@@ -227,7 +243,7 @@ def _fill(
 
 
 def run(stack: StackOptions, options: OverheadOptions, log_dir: Path, nonce: int) -> ScenarioResult:
-    rounds, sequential = (4, 16) if options.quick else (5, 24)
+    rounds, sequential = (4, 24) if options.quick else (5, 32)
     side = image_side_px(options.checkpoint)
     title = f"Overhead: gateway -> LLM service ({stack.engine}) vs plain vLLM given each image by uuid only"
     config = {"checkpoint": str(options.checkpoint), "engine": stack.engine, "dtype": stack.dtype, "eager": stack.eager,

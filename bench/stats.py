@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 
 
@@ -22,3 +23,19 @@ def median(values: list[float]) -> float:
 
 def ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator else float("nan")
+
+
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free confidence interval for the median: the order statistics x_(k) and
+    x_(n+1-k), k the largest with P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2. It assumes
+    only independent samples, so it suits latencies, whose spread is far from normal. (NaN, NaN)
+    when there are too few values for any such interval (fewer than 6 at 95%)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    tail, below, k = (1 - confidence) / 2, 0.0, 0
+    while k < n and below + math.comb(n, k) / 2**n <= tail:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    if k == 0:
+        return float("nan"), float("nan")
+    return ordered[k - 1], ordered[n - k]
