@@ -17,7 +17,7 @@ import warnings
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from shared.errors import InvalidInput, TooLarge, clip
+from shared.errors import InvalidInput, ServiceError, TooLarge, clip
 
 _DATA_URL = re.compile(r"^data:(?P<mime>image/[A-Za-z0-9.+-]+)?(?P<params>(;[^,;]*)*?);base64,", re.I)
 
@@ -39,7 +39,12 @@ def decode_data_url(url: str, max_bytes: int, param: str = "image_url") -> bytes
 
 
 def load_image(data: bytes, max_decoded_pixels: int, param: str = "image") -> Image.Image:
-    """Decodes image bytes to RGB. The size is checked from the header before decoding."""
+    """Decodes image bytes to RGB. The size is checked from the header before decoding.
+
+    Whatever Pillow raises while it reads the client's bytes is the bytes' fault, so every
+    exception here is a 400: its format parsers raise more than OSError and ValueError on a
+    malformed file (a DDS with unknown pixel-format flags raises NotImplementedError; fuzzing
+    found it), and one that slipped through was a 500 saying nothing about the image."""
     if not data:
         raise InvalidInput("image is empty", param=param)
     try:
@@ -53,17 +58,20 @@ def load_image(data: bytes, max_decoded_pixels: int, param: str = "image") -> Im
                     param=param,
                 )
             image.load()
+            if image.width < 1 or image.height < 1:
+                raise InvalidInput("image has no pixels", param=param)
+            return upright(image).convert("RGB")
+    except ServiceError:
+        raise
     except UnidentifiedImageError:
         raise InvalidInput("bytes are not a recognized image format", param=param) from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise InvalidInput("image is a decompression bomb", param=param) from None
-    except (OSError, SyntaxError, ValueError) as error:
+    except Exception as error:
         raise InvalidInput(
-            f"image could not be decoded (truncated or corrupt): {clip(str(error), 80)}", param=param
+            f"image could not be decoded (truncated or corrupt): {type(error).__name__}: {clip(str(error), 80)}",
+            param=param,
         ) from None
-    if image.width < 1 or image.height < 1:
-        raise InvalidInput("image has no pixels", param=param)
-    return upright(image).convert("RGB")
 
 
 def upright(image: Image.Image) -> Image.Image:

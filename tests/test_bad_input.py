@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import resource
 import struct
 import time
@@ -11,6 +12,7 @@ import httpx
 import numpy as np
 import pytest
 from openai import OpenAI
+from PIL import Image
 
 from shared.blob import BlobRules, EmbeddingBlob, encode_blob, serialize_unvalidated
 from shared.errors import EmbeddingNotFound, IncompatibleEncoder, InvalidEmbedding, ServiceError
@@ -130,10 +132,21 @@ def _bomb_png(width: int = 60000, height: int = 60000) -> bytes:
     )
 
 
+def _dds_of_unknown_pixel_format() -> bytes:
+    """A DDS file whose pixel-format flags are 0: Pillow's parser raises NotImplementedError on it,
+    outside the errors an image decoder is usually expected to raise (found by fuzzing)."""
+    out = io.BytesIO()
+    Image.new("RGBA", (8, 8), (1, 2, 3, 255)).save(out, "DDS")
+    data = bytearray(out.getvalue())
+    data[80:84] = bytes(4)  # magic (4) + header fields (72) + pixel format size (4): its flags
+    return bytes(data)
+
+
 @pytest.mark.parametrize(
     ("image", "message"),
     [
         (b"this is not an image at all", "not a recognized image"),
+        (_dds_of_unknown_pixel_format(), "could not be decoded"),
         (png_bytes(71)[:200], "truncated or corrupt"),
         (_bomb_png(), "decompression bomb"),
     ],
