@@ -22,9 +22,11 @@ MAX_FRAMES_BOUND = 1024  # the encoder applies its own, tighter frame limit
 
 class StrictRequest(BaseModel):
     """Base of every request body: an int must be a JSON integer, a bool a JSON boolean, a string
-    a JSON string; a float field takes integers too (`"temperature": 1`), never strings."""
+    a JSON string; a float field takes integers too (`"temperature": 1`), never strings, and
+    never NaN or Infinity: Python's JSON parser reads those words, and a range check would then
+    answer "should be less than or equal to 2" for a value that is no number at all."""
 
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
 
 
 class RequestBody(StrictRequest):

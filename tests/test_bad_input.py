@@ -74,6 +74,22 @@ def test_json_the_parser_gives_up_on_is_400_saying_why(stack: Stack, raw: bytes,
 
 
 @pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "ft-a", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+        b'{"model": "ft-a", "messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}',
+        b'{"model": "ft-a", "messages": [{"role": "user", "content": "hi"}], "presence_penalty": -Infinity}',
+    ],
+    ids=["NaN", "Infinity", "-Infinity"],
+)
+def test_a_float_that_is_no_number_is_400_saying_so(stack: Stack, raw: bytes) -> None:
+    """NaN and Infinity are not JSON, but Python's parser reads them; they were refused by a range
+    check that said "should be less than or equal to 2" of a value that is not a number."""
+    error = _assert_error(_chat(stack, None, raw=raw), 400)
+    assert "finite number" in error["message"], error
+
+
+@pytest.mark.parametrize(
     ("body", "param"),
     [
         ({"model": "ft-a"}, "messages"),
