@@ -9,6 +9,7 @@ failure is reported in about `op_timeout_s` instead of redis-py's ~4.6 s default
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from shared.errors import TooLarge, Unavailable
 from shared.redis_urls import RedisTarget, parse_redis_url
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 REDIS_ERRORS = Counter("redis_errors_total", "Redis operations that failed (after retries), by error type.", ["error"])
 # Every round trip of every service, by command: the LLM service's GET/MGET (also in
 # llm_blob_fetch_seconds), the encoder's GETEX and SET, pings. Failed ones count too.
@@ -68,6 +70,9 @@ class EmbeddingStore:
                     return await operation
         except (RedisError, OSError, TimeoutError) as error:
             REDIS_ERRORS.labels(type(error).__name__).inc()
+            # Clients are told the store is unavailable; the operator is told why, in Redis's own
+            # words ("OOM command not allowed when used memory > 'maxmemory'", a refused connection).
+            logger.warning("Redis %s failed: %s: %s", command, type(error).__name__, error)
             raise Unavailable(f"embedding store (Redis) is unavailable: {type(error).__name__}") from error
         finally:
             REDIS_SECONDS.labels(command).observe(time.perf_counter() - started)

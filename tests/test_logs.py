@@ -114,6 +114,36 @@ def test_a_streamed_chat_and_a_failed_one_are_summarised_once_each(stack: Stack)
         0,
         None,
     )
+    assert failed["error"].startswith("model_not_found: model 'no-such-model' does not exist"), failed
+    assert streamed["error"] is None
+    assert f"error={failed['error']}" in failed["message"]
+
+
+def test_a_full_store_is_named_in_the_summary_and_in_redis_own_words(stack: Stack, live_redis: RedisServer) -> None:
+    """Redis at its memory limit refuses writes: the client gets a 503, and the logs say why
+    (before, no line anywhere said more than the status)."""
+    store_lines = io.StringIO()
+    handler = logging.StreamHandler(store_lines)
+    logging.getLogger("shared.store").addHandler(handler)
+    client = live_redis.client()
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", 1)  # any write is over it
+    try:
+        with gateway_lines("logs-full-store") as lines:
+            response = httpx.post(
+                f"{stack.base_url}/v1/images/encode", json={"image_url": data_url(png_bytes(8133))},
+                headers={"x-request-id": "logs-full-store"}, timeout=60,
+            )  # fmt: skip
+    finally:
+        client.config_set("maxmemory", 0)
+        logging.getLogger("shared.store").removeHandler(handler)
+    assert response.status_code == 503, response.text
+    (summary,) = summaries(lines, "logs-full-store")
+    assert summary["error"] == "unavailable: embedding store (Redis) is unavailable: OutOfMemoryError", summary
+    assert (
+        "Redis SET failed: OutOfMemoryError: command not allowed when used memory > 'maxmemory'"
+        in store_lines.getvalue()
+    )
 
 
 def test_the_summary_reads_as_text_too() -> None:
