@@ -1,8 +1,9 @@
 """OpenAI request fields this gateway cannot honour, refused instead of ignored.
 
-Unknown top-level fields are ignored (clients and SDKs send vendor fields), but these change what
-a right answer is: a client that asks for JSON output, tool calls, biased logits or vLLM's top_k
-and gets a 200 with something else has been misled. So a request that sets one of them to anything but its
+Unknown top-level fields are ignored (clients and SDKs send vendor fields: `user`, `metadata`,
+vLLM's `priority`), but these change what a right answer is: a client that asks for JSON output,
+tool calls, biased logits, vLLM's top_k, a custom chat template or the prompt echoed, and gets a
+200 with something else, has been misled. So a request that sets one of them to anything but its
 neutral value ("no tools", `{"type": "text"}`) is a 400 naming the field.
 """
 
@@ -16,6 +17,8 @@ from shared.errors import InvalidInput
 PLAIN_TEXT = "this server generates plain text only"
 # vLLM's sampling extensions: a client written for vLLM sends them expecting them honoured.
 SAMPLING = "this server samples with temperature, top_p, seed and the penalties documented in its README"
+PROMPT = "this server builds every prompt with the model's own chat template and default image processing"
+OUTPUT = "this server answers with OpenAI's fields only, from text decoded as vLLM does by default"
 
 
 def _off(*neutral: Any) -> Callable[[Any], bool]:
@@ -36,6 +39,42 @@ NEUTRAL: Mapping[str, tuple[Callable[[Any], bool], str]] = {
     "top_k": (_off(-1, 0), SAMPLING),  # -1 and 0 both mean "off" in vLLM
     "min_p": (_off(0), SAMPLING),
     "repetition_penalty": (_off(1), SAMPLING),
+    # vLLM's other request extensions (its ChatCompletionRequest), each at vLLM's default value.
+    "structured_outputs": (_off(), PLAIN_TEXT),
+    "guided_json": (_off(), PLAIN_TEXT),  # the guided_* fields: structured_outputs' older names
+    "guided_regex": (_off(), PLAIN_TEXT),
+    "guided_choice": (_off(), PLAIN_TEXT),
+    "guided_grammar": (_off(), PLAIN_TEXT),
+    "web_search_options": (_off(), PLAIN_TEXT),
+    "use_beam_search": (_off(False), SAMPLING),
+    "best_of": (_off(1), SAMPLING),
+    "length_penalty": (_off(1), SAMPLING),
+    "min_tokens": (_off(0), SAMPLING),
+    "ignore_eos": (_off(False), SAMPLING),
+    "stop_token_ids": (lambda value: not value, SAMPLING),
+    "bad_words": (lambda value: not value, SAMPLING),
+    "allowed_token_ids": (lambda value: not value, SAMPLING),
+    "thinking_token_budget": (_off(), SAMPLING),
+    "repetition_detection": (_off(), SAMPLING),
+    "watermarking": (_off(False), SAMPLING),
+    "vllm_xargs": (lambda value: not value, SAMPLING),
+    "chat_template": (_off(), PROMPT),
+    "chat_template_kwargs": (lambda value: not value, PROMPT),
+    "add_generation_prompt": (_off(True), PROMPT),
+    "continue_final_message": (_off(False), PROMPT),
+    "add_special_tokens": (_off(False), PROMPT),
+    "documents": (lambda value: not value, PROMPT),
+    "mm_processor_kwargs": (lambda value: not value, PROMPT),  # /v1/images/encode takes min/max_pixels
+    "media_io_kwargs": (lambda value: not value, PROMPT),
+    "truncate_prompt_tokens": (_off(), PROMPT),
+    "echo": (_off(False), OUTPUT),
+    "include_stop_str_in_output": (_off(False), OUTPUT),
+    "skip_special_tokens": (_off(True), OUTPUT),
+    "spaces_between_special_tokens": (_off(True), OUTPUT),
+    "prompt_logprobs": (_off(), OUTPUT),
+    "logprob_token_ids": (lambda value: not value, OUTPUT),
+    "return_tokens_as_token_ids": (_off(False), OUTPUT),
+    "return_token_ids": (_off(False), OUTPUT),
 }
 
 

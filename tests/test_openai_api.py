@@ -19,6 +19,7 @@ import torch
 from fastapi import FastAPI
 from openai import OpenAI
 
+from gateway.unsupported import NEUTRAL
 from shared.blob import BlobRules, decode_blob
 from shared.sdk import EncoderClient, ImageKey, LLMClient, Message, Sampling
 from tests.harness import Stack
@@ -229,35 +230,92 @@ def test_models_retrieve_reads_one_model_and_404s_an_unknown_one(openai_client: 
     assert (error["code"], error["param"]) == ("model_not_found", "model") and "ft-a, ft-b" in error["message"]
 
 
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [
-        ("response_format", {"type": "json_object"}),
-        ("tools", [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]),
-        ("logit_bias", {"5": 100}),
-        ("tool_choice", "required"),
-        ("top_k", 1),
-        ("min_p", 0.2),
-        ("repetition_penalty", 1.05),
-    ],
-)
+# One value per field of gateway/unsupported.py that asks for more than plain text sampled as
+# documented: each must be a 400 naming the field (a test below keeps this list complete).
+ANSWER_CHANGING = {
+    "response_format": {"type": "json_object"},
+    "tools": [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}],
+    "tool_choice": "required",
+    "functions": [{"name": "lookup"}],
+    "function_call": "auto",
+    "logit_bias": {"5": 100},
+    "audio": {"voice": "alloy", "format": "wav"},
+    "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"},
+    "top_k": 1,
+    "min_p": 0.2,
+    "repetition_penalty": 1.05,
+    "structured_outputs": {"choice": ["yes", "no"]},
+    "guided_json": {"type": "object"},
+    "guided_regex": "[a-z]+",
+    "guided_choice": ["yes", "no"],
+    "guided_grammar": "root ::= 'a'",
+    "web_search_options": {},
+    "use_beam_search": True,
+    "best_of": 2,
+    "length_penalty": 0.5,
+    "min_tokens": 2,
+    "ignore_eos": True,
+    "stop_token_ids": [5],
+    "bad_words": ["no"],
+    "allowed_token_ids": [5, 6],
+    "thinking_token_budget": 10,
+    "repetition_detection": {"max_pattern_size": 4},
+    "watermarking": True,
+    "vllm_xargs": {"k": 1},
+    "chat_template": "{{ messages[0].content }}",
+    "chat_template_kwargs": {"enable_thinking": False},
+    "add_generation_prompt": False,
+    "continue_final_message": True,
+    "add_special_tokens": True,
+    "documents": [{"title": "t", "text": "x"}],
+    "mm_processor_kwargs": {"max_pixels": 3136},
+    "media_io_kwargs": {"image": {"mode": "L"}},
+    "truncate_prompt_tokens": 5,
+    "echo": True,
+    "include_stop_str_in_output": True,
+    "skip_special_tokens": False,
+    "spaces_between_special_tokens": False,
+    "prompt_logprobs": 0,
+    "logprob_token_ids": [5],
+    "return_tokens_as_token_ids": True,
+    "return_token_ids": True,
+}
+# The same fields at their neutral values (OpenAI's or vLLM's defaults): they ask for nothing more.
+NEUTRAL_VALUES = {
+    "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
+    "logit_bias": {}, "audio": None, "modalities": ["text"], "prediction": None, "top_k": -1, "min_p": 0,
+    "repetition_penalty": 1.0, "structured_outputs": None, "guided_json": None, "guided_regex": None,
+    "guided_choice": None, "guided_grammar": None, "web_search_options": None, "use_beam_search": False,
+    "best_of": 1, "length_penalty": 1.0, "min_tokens": 0, "ignore_eos": False, "stop_token_ids": [], "bad_words": [],
+    "allowed_token_ids": None, "thinking_token_budget": None, "repetition_detection": None, "watermarking": False,
+    "vllm_xargs": None, "chat_template": None, "chat_template_kwargs": {}, "add_generation_prompt": True,
+    "continue_final_message": False, "add_special_tokens": False, "documents": None, "mm_processor_kwargs": {},
+    "media_io_kwargs": {}, "truncate_prompt_tokens": None, "echo": False, "include_stop_str_in_output": False,
+    "skip_special_tokens": True, "spaces_between_special_tokens": True, "prompt_logprobs": None,
+    "logprob_token_ids": None, "return_tokens_as_token_ids": False, "return_token_ids": False,
+}  # fmt: skip
+
+
+def test_every_refused_field_has_a_case_here() -> None:
+    assert set(ANSWER_CHANGING) == set(NEUTRAL) == set(NEUTRAL_VALUES)
+
+
+@pytest.mark.parametrize(("field", "value"), ANSWER_CHANGING.items(), ids=list(ANSWER_CHANGING))
 def test_fields_that_change_the_answer_are_refused_not_ignored(
     openai_client: OpenAI, field: str, value: object
 ) -> None:
-    """A client asking for JSON, tool calls or biased logits used to get a 200 of plain text."""
+    """A client asking for JSON, tool calls or biased logits used to get a 200 of plain text; one
+    asking for vLLM's echo, beam search, min_tokens or its own chat template, a 200 without them."""
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.BadRequestError) as caught:
         openai_client.chat.completions.create(model="ft-a", max_tokens=2, messages=messages, extra_body={field: value})
     error = caught.value.response.json()["error"]
     assert error["param"] == field and "not supported" in error["message"]
-    # Their neutral values ask for nothing more than text: accepted.
+
+
+def test_fields_at_their_neutral_values_are_accepted(openai_client: OpenAI) -> None:
     reply = openai_client.chat.completions.create(
-        model="ft-a",
-        max_tokens=2,
-        messages=messages,
-        response_format={"type": "text"},
-        logit_bias={},
-        tools=[],
-        extra_body={"top_k": -1, "min_p": 0, "repetition_penalty": 1.0},
+        model="ft-a", max_tokens=2, messages=[{"role": "user", "content": "hi"}], extra_body=NEUTRAL_VALUES
     )
     assert reply.choices[0].finish_reason == "length"
