@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from gateway.openai_format import error_body
-from shared.errors import ERROR_CLASSES, InvalidInput, ServiceError, Unavailable
+from shared.errors import ERROR_CLASSES, InvalidInput, ServiceError, Unavailable, clip
 
 
 def error_response(error: ServiceError) -> JSONResponse:
@@ -36,10 +36,27 @@ def _param_from_loc(loc: tuple[int | str, ...]) -> str | None:
     return path or None
 
 
-def validation_error(exc: RequestValidationError) -> InvalidInput:
+def _is_json(content_type: str) -> bool:
+    """Whether FastAPI parses a body of this type as JSON (no type at all counts as JSON)."""
+    media_type = content_type.split(";")[0].strip().lower()
+    return not media_type or media_type == "application/json" or media_type.endswith("+json")
+
+
+def validation_error(exc: RequestValidationError, content_type: str) -> InvalidInput:
     errors = exc.errors()
     if any(error.get("type") == "json_invalid" for error in errors):
         return InvalidInput("request body is not valid JSON", param=None)
+    if any(tuple(error.get("loc", ())) == ("body",) for error in errors):
+        # The body as a whole is wrong: pydantic would say "Input should be a valid dictionary or
+        # object to extract fields from". The usual cause is a client that sent JSON under another
+        # type (curl -d sends application/x-www-form-urlencoded), which FastAPI does not parse.
+        if not _is_json(content_type):
+            return InvalidInput(
+                f"request body must be a JSON object sent with Content-Type: application/json "
+                f"(this one came as {clip(content_type)!r})",
+                param=None,
+            )
+        return InvalidInput("request body must be a JSON object", param=None)
     # A field that takes one of several forms (content: a string or a list of parts) fails once
     # per form; the form that got deepest into the input is the one the client meant, and its
     # error names the part at fault ("messages[0].content[1].image_url.url", not "...content").
@@ -86,7 +103,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(exc))
+        return error_response(validation_error(exc, request.headers.get("content-type", "")))
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:

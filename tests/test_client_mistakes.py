@@ -203,3 +203,24 @@ def test_encode_endpoints_refuse_a_lone_surrogate_naming_the_field(stack: Stack,
     response = httpx.post(f"{stack.base_url}{path}", content=raw, headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text[:500]
     assert response.json()["error"]["param"] == ("image_url" if "images" in path else "frames[0]")
+
+
+BODY_FORMS = [
+    # curl -d without -H: JSON under the form type, which FastAPI does not parse
+    ("form type", "application/x-www-form-urlencoded", "Content-Type: application/json", "x-www-form-urlencoded"),
+    ("text type", "text/plain", "Content-Type: application/json", "text/plain"),
+    ("JSON array", "application/json", "must be a JSON object", None),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/images/encode"])
+@pytest.mark.parametrize(("name", "content_type", "says", "names"), BODY_FORMS, ids=[form[0] for form in BODY_FORMS])
+def test_a_body_that_is_not_a_json_object_is_a_400_saying_how_to_send_one(
+    stack: Stack, path: str, name: str, content_type: str, says: str, names: str | None
+) -> None:
+    """These were 400 "Input should be a valid dictionary or object to extract fields from"."""
+    body = json.dumps(_chat("ft-a", False, "hi") if name != "JSON array" else [_chat("ft-a", False, "hi")])
+    response = httpx.post(f"{stack.base_url}{path}", content=body, headers={"content-type": content_type}, timeout=60)
+    assert response.status_code == 400, response.text[:500]
+    message = response.json()["error"]["message"]
+    assert says in message and (names is None or names in message), message
