@@ -5,10 +5,13 @@ encoder resampled with Pillow and differed by up to ~0.27 on a 100x60 image."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from transformers import AutoImageProcessor
 from transformers.image_utils import load_image as transformers_load_image
 
@@ -67,5 +70,42 @@ def test_an_exif_orientation_is_applied_as_transformers_load_image_does(
     data = with_orientation(make_image(orientation, 100, 60), orientation, fmt="PNG")
     pixels, grid = encoder.preprocess(load_image(data, max_decoded_pixels=10**6))
     expected = default_processor(images=[transformers_load_image(data_url(data))], return_tensors="pt")
+    assert grid.tolist() == expected["image_grid_thw"].tolist()
+    assert float((pixels - expected["pixel_values"]).abs().max()) <= ULP
+
+
+def _in_mode(mode: str) -> tuple[bytes, str]:
+    """A 100x60 noise image stored in `mode` (PNG, or JPEG for CMYK), with transparency where the
+    mode has it: half the pixels fully transparent over colours that are not white."""
+    rgb = make_image(900 + len(mode), 100, 60)
+    alpha = Image.fromarray((np.arange(100 * 60).reshape(60, 100) % 2 * 255).astype(np.uint8), mode="L")
+    buffer = io.BytesIO()
+    if mode == "CMYK":
+        rgb.convert("CMYK").save(buffer, format="JPEG", quality=95)
+        return buffer.getvalue(), "image/jpeg"
+    if mode in ("RGBA", "LA"):
+        image = rgb.convert(mode[:-1])
+        image.putalpha(alpha)
+    elif mode == "P+tRNS":  # a palette whose colour 0 is transparent
+        image = rgb.quantize(64)
+        image.info["transparency"] = 0
+    elif mode == "I;16":
+        image = Image.fromarray(np.asarray(rgb.convert("L"), dtype=np.uint16) * 257)  # 16-bit grey
+    else:
+        image = rgb.convert(mode)
+    image.save(buffer, format="PNG", **({"transparency": 0} if mode == "P+tRNS" else {}))
+    return buffer.getvalue(), "image/png"
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P+tRNS", "L", "1", "I;16", "CMYK"])
+def test_every_pixel_mode_becomes_the_pixels_transformers_load_image_gives(
+    encoder: VisionEncoder, default_processor, mode: str
+) -> None:  # type: ignore[no-untyped-def]
+    """Transparency, palettes, grey, 1-bit, 16-bit and CMYK come out as transformers' `load_image`
+    makes them (`convert("RGB")`: transparent pixels keep their colour; vLLM's loader pastes them
+    on white instead: README, the paragraph on EXIF orientation)."""
+    data, mime = _in_mode(mode)
+    pixels, grid = encoder.preprocess(load_image(data, max_decoded_pixels=10**6))
+    expected = default_processor(images=[transformers_load_image(data_url(data, mime))], return_tensors="pt")
     assert grid.tolist() == expected["image_grid_thw"].tolist()
     assert float((pixels - expected["pixel_values"]).abs().max()) <= ULP
