@@ -53,7 +53,22 @@ class ScenarioResult:
     config: dict[str, Any] = field(default_factory=dict)
     chart: dict[str, dict[str, float]] = field(default_factory=dict)  # metric -> system -> value
 
+    def failed_requests(self) -> dict[str, int]:
+        """system -> its failed requests, for each system that had any."""
+        return {name: int(row["errors"]) for name, row in self.rows.items() if row.get("errors")}
+
+    def verdict(self, target: Target) -> str:
+        """ "met", "not met", or "not judged" when a compared system failed requests: its wall and
+        TTFT then time a run that did not do the work (a peer whose requests fail early looks fast,
+        one whose requests time out looks slow), so neither side's ratio means anything."""
+        failed = self.failed_requests()
+        if failed:
+            return "not judged: " + ", ".join(f"{name} failed {count} requests" for name, count in failed.items())
+        return "met" if target.met else "not met"
+
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        data["targets"] = [{**asdict(t), "met": t.met} for t in self.targets]
+        data["targets"] = [
+            {**asdict(t), "met": self.verdict(t) == "met", "verdict": self.verdict(t)} for t in self.targets
+        ]
         return data

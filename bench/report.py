@@ -52,6 +52,10 @@ def _memory_table(memory: list[MemoryRecord]) -> list[str]:
     return _table(["service", "peak RSS GiB", "weights GiB", "RSS / weights", "processes", "weights held"], rows)
 
 
+def _status(verdict: str) -> str:
+    return verdict if verdict == "met" else f"**{verdict}**"
+
+
 def _scenario_markdown(result: ScenarioResult) -> list[str]:
     lines = [f"## Scenario {result.key}: {result.title}", ""]
     if result.rows:
@@ -62,7 +66,7 @@ def _scenario_markdown(result: ScenarioResult) -> list[str]:
         lines += [f"- {name}: **{_fmt(value)}**" for name, value in result.ratios.items()] + [""]
     if result.targets:
         rows = [[t.name, f"{_fmt(t.measured)}{t.unit}", f"{t.comparison} {_fmt(t.limit)}{t.unit}",
-                 "met" if t.met else "**not met**"] for t in result.targets]  # fmt: skip
+                 _status(result.verdict(t))] for t in result.targets]  # fmt: skip
         lines += _table(["target", "measured", "limit", "status"], rows) + [""]
     if result.memory:
         lines += ["Memory (peak RSS summed over each service's processes, beside the weights it holds):", ""]
@@ -147,7 +151,7 @@ def load_results(path: Path) -> tuple[list[ScenarioResult], dict[str, Any]]:
     document = json.loads(Path(path).read_text())
     results = []
     for data in document.pop("scenarios"):
-        targets = [Target(**{k: v for k, v in t.items() if k != "met"}) for t in data.pop("targets")]
+        targets = [Target(**{k: v for k, v in t.items() if k not in ("met", "verdict")}) for t in data.pop("targets")]
         memory = [MemoryRecord(**m) for m in data.pop("memory")]
         results.append(ScenarioResult(**data, targets=targets, memory=memory))
     return results, document

@@ -17,6 +17,7 @@ from bench.procs import REPO, Service, ServiceFailed, ServiceGroup, http_ok, log
 HOOK_DIR = REPO / "bench" / "vllm_hook"
 KV_CACHE_GIB = "1"
 MAX_MODEL_LEN = 2048
+RENDER_TIMEOUT_S = "3600"
 
 
 def vllm_env(encode_count_dir: Path) -> dict[str, str]:
@@ -25,6 +26,11 @@ def vllm_env(encode_count_dir: Path) -> dict[str, str]:
     pythonpath = os.pathsep.join(p for p in (str(HOOK_DIR), os.environ.get("PYTHONPATH", "")) if p)
     return {
         "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,
+        # vLLM fails a request whose chat template has not rendered within 30 s. Under 96 requests
+        # at once on 2 cores, renders queue behind the engine's own work for longer than that (the
+        # EPD encoder of 2026-12-03 failed 41 of 96 so): a benchmark's peer must do the work, not
+        # give up on it. Our services render on their own clock and have no such limit.
+        "VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT": RENDER_TIMEOUT_S,
         "PYTHONPATH": pythonpath,
         "BENCH_ENCODE_COUNT_DIR": str(encode_count_dir),
     }
