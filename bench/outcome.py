@@ -68,7 +68,8 @@ class ScenarioResult:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
+        verdicts = [self.verdict(t) for t in self.targets]
         data["targets"] = [
-            {**asdict(t), "met": self.verdict(t) == "met", "verdict": self.verdict(t)} for t in self.targets
+            {**asdict(t), "met": v == "met", "verdict": v} for t, v in zip(self.targets, verdicts, strict=True)
         ]
         return data

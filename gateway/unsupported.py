@@ -22,17 +22,23 @@ OUTPUT = "this server answers with OpenAI's fields only, from text decoded as vL
 
 
 def _off(*neutral: Any) -> Callable[[Any], bool]:
+    """Neutral when absent (null) or one of `neutral`."""
     return lambda value: value is None or value in neutral
+
+
+def _empty(value: Any) -> bool:
+    """Neutral when absent or empty: no tools, no biases, no extra kwargs."""
+    return not value
 
 
 # field -> (whether a value asks for nothing this gateway cannot do, why another value is refused)
 NEUTRAL: Mapping[str, tuple[Callable[[Any], bool], str]] = {
-    "response_format": (lambda value: value is None or value == {"type": "text"}, PLAIN_TEXT),
-    "tools": (lambda value: not value, PLAIN_TEXT),
+    "response_format": (_off({"type": "text"}), PLAIN_TEXT),
+    "tools": (_empty, PLAIN_TEXT),
     "tool_choice": (_off("none"), PLAIN_TEXT),
-    "functions": (lambda value: not value, PLAIN_TEXT),
+    "functions": (_empty, PLAIN_TEXT),
     "function_call": (_off("none"), PLAIN_TEXT),
-    "logit_bias": (lambda value: not value, PLAIN_TEXT),
+    "logit_bias": (_empty, PLAIN_TEXT),
     "audio": (_off(), PLAIN_TEXT),
     "modalities": (_off(["text"]), PLAIN_TEXT),
     "prediction": (_off(), PLAIN_TEXT),
@@ -51,28 +57,28 @@ NEUTRAL: Mapping[str, tuple[Callable[[Any], bool], str]] = {
     "length_penalty": (_off(1), SAMPLING),
     "min_tokens": (_off(0), SAMPLING),
     "ignore_eos": (_off(False), SAMPLING),
-    "stop_token_ids": (lambda value: not value, SAMPLING),
-    "bad_words": (lambda value: not value, SAMPLING),
-    "allowed_token_ids": (lambda value: not value, SAMPLING),
+    "stop_token_ids": (_empty, SAMPLING),
+    "bad_words": (_empty, SAMPLING),
+    "allowed_token_ids": (_empty, SAMPLING),
     "thinking_token_budget": (_off(), SAMPLING),
     "repetition_detection": (_off(), SAMPLING),
     "watermarking": (_off(False), SAMPLING),
-    "vllm_xargs": (lambda value: not value, SAMPLING),
+    "vllm_xargs": (_empty, SAMPLING),
     "chat_template": (_off(), PROMPT),
-    "chat_template_kwargs": (lambda value: not value, PROMPT),
+    "chat_template_kwargs": (_empty, PROMPT),
     "add_generation_prompt": (_off(True), PROMPT),
     "continue_final_message": (_off(False), PROMPT),
     "add_special_tokens": (_off(False), PROMPT),
-    "documents": (lambda value: not value, PROMPT),
-    "mm_processor_kwargs": (lambda value: not value, PROMPT),  # /v1/images/encode takes min/max_pixels
-    "media_io_kwargs": (lambda value: not value, PROMPT),
+    "documents": (_empty, PROMPT),
+    "mm_processor_kwargs": (_empty, PROMPT),  # /v1/images/encode takes min/max_pixels
+    "media_io_kwargs": (_empty, PROMPT),
     "truncate_prompt_tokens": (_off(), PROMPT),
     "echo": (_off(False), OUTPUT),
     "include_stop_str_in_output": (_off(False), OUTPUT),
     "skip_special_tokens": (_off(True), OUTPUT),
     "spaces_between_special_tokens": (_off(True), OUTPUT),
     "prompt_logprobs": (_off(), OUTPUT),
-    "logprob_token_ids": (lambda value: not value, OUTPUT),
+    "logprob_token_ids": (_empty, OUTPUT),
     "return_tokens_as_token_ids": (_off(False), OUTPUT),
     "return_token_ids": (_off(False), OUTPUT),
 }
