@@ -7,30 +7,27 @@ calls really shared passes.
 
 Tower rows: seconds per image of the vision tower's forward pass alone, ours against vLLM's, on
 the same checkpoint, images and dtype, one image per pass, each after one untimed pass. Ours is
-VisionEncoder.encode_batch, the call the service makes, run in this process once the service has
-stopped; vLLM's is a stock vLLM OpenAI server sent one chat request per image, one at a time,
-timed by the benchmark hook around its Qwen2-VL `_process_image_input` (bench/vllm_hook), so
-HTTP, preprocessing and prefill are not counted. The systems run one after another.
+the running encoder service's own `encoder_forward_seconds` around each Encode call, so the tower
+is timed in the process, thread and allocator set-up that serve requests; vLLM's is a stock vLLM
+OpenAI server sent one chat request per image, one at a time, timed by the benchmark hook around
+its Qwen2-VL `_process_image_input` (bench/vllm_hook). Neither counts decoding, resizing, transport
+or (vLLM) prefill. The systems run one after another.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
 from pathlib import Path
-
-import torch
 
 from bench.client import run_sequential
 from bench.outcome import ScenarioResult, Target
 from bench.procs import ServiceGroup, grpc_serving, python_module, wait_until
+from bench.stages import histogram_totals
 from bench.stats import ratio
 from bench.vllm_server import all_cores, start_vllm_server, wait_vllm_ready
 from bench.weights import count_weights
 from bench.workload import QUESTIONS, chat_body, image_url_part, make_images
-from encoder_service.images import load_image
-from encoder_service.vision import VisionEncoder
 from scripts.ports import free_port
 from shared.sdk import AsyncEncoderClient, EncoderStats
 
@@ -38,7 +35,7 @@ CONCURRENCY = 8
 TOWER_IMAGES = 4  # timed per tower at most (see _enough)
 TOWER_SECONDS = 60.0
 TOWER_ROWS = ("tower forward, ours", "tower forward, vLLM")
-MAX_DECODED_PIXELS = 4096 * 4096  # the benchmark's images are 448x448; any bound above that will do
+FORWARD_METRIC = "encoder_forward_seconds"
 
 
 async def _encode_all(target: str, images: list[bytes], concurrent: bool) -> tuple[float, EncoderStats, EncoderStats]:
@@ -73,20 +70,21 @@ def _tower_row(seconds: list[float]) -> dict[str, float]:
             "images/s": ratio(len(seconds), total), "s/image": ratio(total, len(seconds))}  # fmt: skip
 
 
-def _our_tower_seconds(checkpoint: Path, dtype: str, images: list[bytes]) -> list[float]:
-    """Seconds of encode_batch([image]) per image after an untimed first one (see _enough)."""
-    encoder = VisionEncoder.load(str(checkpoint), "cpu", getattr(torch, dtype))
-    first, *rest = [encoder.preprocess(load_image(image, MAX_DECODED_PIXELS)) for image in images]
-    encoder.encode_batch([first])
+def _our_tower_seconds(target: str, metrics_url: str, images: list[bytes]) -> list[float]:
+    """Seconds of the encoder service's tower per image, one Encode call at a time (its first pass
+    has run), read from its own `encoder_forward_seconds`, until _enough."""
     seconds: list[float] = []
-    for item in rest:
-        start = time.perf_counter()
-        encoder.encode_batch([item])
-        seconds.append(time.perf_counter() - start)
+    for image in images:
+        total_before, passes_before = histogram_totals(metrics_url, FORWARD_METRIC)
+        asyncio.run(_encode_all(target, [image], concurrent=False))
+        total_after, passes_after = histogram_totals(metrics_url, FORWARD_METRIC)
+        if passes_after - passes_before != 1:
+            raise RuntimeError(
+                f"expected one tower pass for one new image, the encoder counted {passes_after - passes_before}"
+            )
+        seconds.append(total_after - total_before)
         if _enough(seconds):
             break
-    del encoder, first, rest
-    gc.collect()  # its weights are freed before vLLM starts
     return seconds
 
 
@@ -148,11 +146,11 @@ def run(
                             config={"checkpoint": str(checkpoint), "dtype": dtype, "image": "448x448 JPEG (256 tokens)",
                                     "sequential_images": sequential_images, "concurrent_images": CONCURRENCY,
                                     "tower_images_max": TOWER_IMAGES, "tower_seconds": TOWER_SECONDS})  # fmt: skip
-    images = make_images(1 + sequential_images + CONCURRENCY, nonce)
+    # images[0]: each system's untimed first pass; then the tower rows' images, the same for both.
+    images = make_images(1 + TOWER_IMAGES + sequential_images + CONCURRENCY, nonce)
+    tower_images = images[: 1 + TOWER_IMAGES]
     with ServiceGroup(log_dir / "s4") as group:
         _service_rows(result, group, redis_url, checkpoint, dtype, images, sequential_images)
-    tower_images = images[: 1 + TOWER_IMAGES]
-    result.rows[TOWER_ROWS[0]] = _tower_row(_our_tower_seconds(checkpoint, dtype, tower_images))
     with ServiceGroup(log_dir / "s4") as baseline:
         result.rows[TOWER_ROWS[1]] = _tower_row(_vllm_tower_seconds(baseline, checkpoint, dtype, tower_images))
     result.memory = group.memory + baseline.memory
@@ -168,8 +166,9 @@ def run(
     result.targets.append(Target("tower forward s/image, ours / vLLM's", tower, "<=", 1.0, "x"))
     result.notes.append(
         f"tower rows: one image per forward pass after an untimed one, until {TOWER_IMAGES} images or "
-        f"{TOWER_SECONDS:.0f} s of passes; ours timed in the benchmark process (VisionEncoder.encode_batch), "
-        "vLLM's by bench/vllm_hook around _process_image_input of a stock vLLM OpenAI server (--enforce-eager, "
+        f"{TOWER_SECONDS:.0f} s of passes; ours by the encoder service's own {FORWARD_METRIC} around "
+        "each Encode call (the process, threads and allocator that serve requests), vLLM's by bench/vllm_hook "
+        "around _process_image_input of a stock vLLM OpenAI server (--enforce-eager, "
         f"its worker's threads on cores {all_cores()} as ours may use), one chat request per image"
     )
     result.chart["images/s"] = {name: row["images/s"] for name, row in result.rows.items()}
@@ -185,17 +184,23 @@ def _service_rows(
     images: list[bytes],
     sequential_images: int,
 ) -> None:
-    """The encoder service's rows: `sequential_images` one at a time, then CONCURRENCY at once."""
-    port = free_port()
+    """The encoder service's rows: its tower alone on images[1 : 1 + TOWER_IMAGES], then
+    `sequential_images` Encode calls one at a time, then CONCURRENCY at once."""
+    port, metrics_port = free_port(), free_port()
     env = {"ENCODER_CHECKPOINT": str(checkpoint), "ENCODER_PORT": str(port), "ENCODER_DTYPE": dtype,
            "ENCODER_REDIS_URL": redis_url, "ENCODER_LOG_LEVEL": "WARNING", "ENCODER_MAX_BATCH_SIZE": str(CONCURRENCY),
-           "ENCODER_METRICS_PORT": "0"}  # fmt: skip
+           "ENCODER_METRICS_PORT": str(metrics_port)}  # fmt: skip
     weights = count_weights(checkpoint).vision_bytes(dtype)
     encoder = group.start("encoder", python_module("encoder_service"), env, weights, f"vision tower, {dtype}")
     target = f"127.0.0.1:{port}"
     wait_until(encoder, grpc_serving(target), 600)
     asyncio.run(_encode_all(target, images[:1], concurrent=False))  # first pass allocates; not timed
-    result.rows["sequential"] = _row(*asyncio.run(_encode_all(target, images[1 : 1 + sequential_images], False)))
-    result.rows[f"{CONCURRENCY} concurrent"] = _row(
-        *asyncio.run(_encode_all(target, images[1 + sequential_images :], True))
+    tower = _our_tower_seconds(target, f"http://127.0.0.1:{metrics_port}/metrics", images[1 : 1 + TOWER_IMAGES])
+    first = 1 + TOWER_IMAGES
+    result.rows["sequential"] = _row(
+        *asyncio.run(_encode_all(target, images[first : first + sequential_images], False))
     )
+    result.rows[f"{CONCURRENCY} concurrent"] = _row(
+        *asyncio.run(_encode_all(target, images[first + sequential_images :], True))
+    )
+    result.rows[TOWER_ROWS[0]] = _tower_row(tower)

@@ -25,3 +25,17 @@ def stage_means_ms(metrics_urls: list[str]) -> dict[str, float]:
                 elif sample.name.endswith("_count"):
                     counts[label] = counts.get(label, 0.0) + sample.value
     return {label: 1e3 * sums[label] / counts[label] for label in sorted(sums) if counts.get(label)}
+
+
+def histogram_totals(url: str, name: str) -> tuple[float, float]:
+    """(sum, count) of the histogram `name` at `url`, over all its labels."""
+    total = count = 0.0
+    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+        if family.name != name:
+            continue
+        for sample in family.samples:
+            if sample.name == f"{name}_sum":
+                total += sample.value
+            elif sample.name == f"{name}_count":
+                count += sample.value
+    return total, count

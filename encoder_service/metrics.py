@@ -74,4 +74,10 @@ BLOB_BYTES = Histogram(
     "encoder_blob_bytes", "Size of stored embedding blobs.", buckets=(1e4, 1e5, 5e5, 1e6, 4e6, 1.6e7, 6.4e7)
 )  # fmt: skip
 QUEUE_DEPTH = Gauge("encoder_batch_queue_depth", "Images waiting for a vision-tower forward pass.")
+# The tower alone (pixels in, embeddings out), one observation per batch: what to compare with
+# another engine's vision tower, and the service's main cost, apart from decode, resize and Redis.
+FORWARD_SECONDS = Histogram(
+    "encoder_forward_seconds", "Time of one vision-tower forward pass (one batch of images or videos).",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80),
+)  # fmt: skip
 BATCH_SIZE = Histogram("encoder_batch_size", "Images per vision-tower forward pass.", buckets=(1, 2, 4, 8, 16, 32))

@@ -58,8 +58,13 @@ def _batcher(settings: EncoderSettings, vision: VisionEncoder) -> LanedBatcher[P
     # One image at the processor's own max_pixels is the largest a default request makes; anything
     # costlier (a raised limit, a long video) takes the large lane (see batcher.py).
     default_patches = vision.default_max_pixels // vision.patch_pixels
+
+    def timed_forward(items: list[Preprocessed]) -> list[torch.Tensor]:
+        with metrics.FORWARD_SECONDS.time():
+            return vision.encode_batch(items)
+
     return LanedBatcher(
-        vision.encode_batch,
+        timed_forward,
         cost=lambda item: int(item[0].shape[0]),  # patch rows of pixel_values
         large_cost=default_patches,
         max_batch_size=settings.max_batch_size,

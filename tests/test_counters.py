@@ -24,7 +24,7 @@ LLM_SAMPLES = (
     "llm_blob_fetch_seconds_count",
     "llm_blob_not_found_total",
 )
-ENCODER_SAMPLES = ("encoder_images_encoded_total", "encoder_cache_hits_total")
+ENCODER_SAMPLES = ("encoder_images_encoded_total", "encoder_cache_hits_total", "encoder_forward_seconds_count")
 
 
 def _scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:
@@ -62,6 +62,8 @@ def test_encoder_stats_and_metrics_count_the_same_encodes(stack: Stack, metrics_
     assert stats_after.cache_hits - stats_before.cache_hits == 1
     assert metrics_after["encoder_images_encoded_total"] - metrics_before["encoder_images_encoded_total"] == 1
     assert metrics_after["encoder_cache_hits_total"] - metrics_before["encoder_cache_hits_total"] == 1
+    # One tower pass timed: the encode ran one, the cache hit none.
+    assert metrics_after["encoder_forward_seconds_count"] - metrics_before["encoder_forward_seconds_count"] == 1
 
 
 def _stage_counts(url: str) -> dict[str, float]:
