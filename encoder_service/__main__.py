@@ -8,6 +8,7 @@ from encoder_service.allocator import retain_freed_memory
 from encoder_service.server import start_encoder_server
 from encoder_service.settings import EncoderSettings
 from shared import event_loop
+from shared.gc_heap import freeze_startup_heap
 from shared.grpc_metrics import serve_metrics
 from shared.grpc_server import serve_until_signal
 from shared.logging_setup import configure_logging
@@ -23,6 +24,7 @@ async def main() -> None:
     serve_metrics(settings.metrics_port)
     server = await start_encoder_server(settings)
     logging.getLogger(__name__).info("encoder %s ready on port %d", server.core.encoder_id, server.port)
+    freeze_startup_heap()  # tower loaded and warmed up, server up: what exists now lives as long as the process
     await serve_until_signal(server.running, settings.grace_s)
     await server.core.batcher.aclose()
     await server.core.store.aclose()

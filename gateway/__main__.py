@@ -6,6 +6,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
+from shared.gc_heap import freeze_startup_heap
 from shared.logging_setup import configure_logging
 from shared.tracing import TracingSettings, init_tracing
 
@@ -17,8 +18,10 @@ def main() -> None:
     # log_config=None: uvicorn's loggers go through our (JSON) handler instead of its own.
     # A keep-alive shorter than the client's lets the server close a connection the client is
     # about to reuse (a ReadError on its next request); see GATEWAY_KEEP_ALIVE_S.
+    app = create_app(settings)
+    freeze_startup_heap()  # the app and every module it needs exist now, for the life of the process
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         log_config=None,

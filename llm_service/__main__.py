@@ -8,6 +8,7 @@ import sys
 from llm_service.server import ENGINE_FAILURE_GRACE_S, start_llm_server
 from llm_service.settings import LLMSettings
 from shared import event_loop
+from shared.gc_heap import freeze_startup_heap
 from shared.grpc_metrics import serve_metrics
 from shared.grpc_server import serve_until_signal
 from shared.logging_setup import configure_logging
@@ -23,6 +24,7 @@ async def main() -> int:
     serve_metrics(settings.metrics_port)
     server = await start_llm_server(settings)
     logging.getLogger(__name__).info("model %s ready on port %d", settings.model_name, server.port)
+    freeze_startup_heap()  # engine loaded, server up: what exists now lives as long as the process
     failure = await serve_until_signal(
         server.running, settings.grace_s, server.engine_failure(), ENGINE_FAILURE_GRACE_S
     )

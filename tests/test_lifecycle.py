@@ -220,6 +220,15 @@ def test_every_service_runs_on_uvloop_and_the_gateway_parses_http_with_httptools
     assert "httptools/parser/parser.cpython" in _loaded_libraries(stack.pid("gateway"))
 
 
+def test_every_service_keeps_its_start_up_heap_out_of_full_collections(stack: ProcessStack) -> None:
+    """A full collection over what start-up made stalls the loop: ~200 ms in an LLM service on
+    these cores (shared/gc_heap.py). Each running service froze those objects once it was ready."""
+    assert chat(stack, "ft-a", max_tokens=2).status_code == 200
+    frozen = {name: stack.metric(name, "python_gc_frozen_objects") for name in stack.pids()}
+    assert all(count > 50_000 for count in frozen.values()), frozen
+    assert frozen["ft-a"] > 300_000, frozen  # torch, transformers and vLLM: the big heap
+
+
 def test_the_gateway_process_logs_one_line_per_request_and_none_per_probe(stack: ProcessStack) -> None:
     """The running gateway (`python -m gateway`) writes its summary line per API request and
     nothing per probe. uvicorn's own access log wrote a second, thinner line for each request and
