@@ -53,6 +53,11 @@ MAX_TOKENS = 16
 MODEL = "bench-model"
 IMAGES = 8
 SETTLE_S = 1.5  # vLLM's engine processes spin ~1 s after their last message
+# Unmeasured rounds first: prefix caches, connections, compiled graphs; and one stall that the direct
+# server takes once, ~190 ms in its third burst after start (seen in every run on this machine, the
+# tiny model: 387-412 ms against ~220 before and after). With one warm-up round it fell in the
+# measured rounds and flattered ours by ~20% in a 4-round quick run.
+WARM_ROUNDS = 3
 OURS, DIRECT = "ours", "direct vLLM, uuid only"
 COLUMNS = [
     "requests",
@@ -130,17 +135,17 @@ async def _measure(
     """Each system's loads, and its CPU seconds per concurrent request by process."""
     runs: dict[str, dict[str, LoadResult]] = {name: {} for name in systems}
     cpu: dict[str, dict[str, float]] = {name: {} for name in systems}
-    for round_ in range(rounds + 1):  # round 0 warms both (prefix caches, connections, compiled graphs)
+    for round_ in range(WARM_ROUNDS + rounds):
         # Who goes first alternates, so drift in the machine's other load hits both alike.
         for name, system in list(systems.items())[:: 1 if round_ % 2 else -1]:
             await asyncio.sleep(SETTLE_S)
             before = cpu_seconds_by_process(system.services)
             load = await run_concurrent(_requests(system, keys, round_, CONCURRENCY))
-            if round_:
-                runs[name][f"round {round_}"] = load
+            if round_ >= WARM_ROUNDS:
+                runs[name][f"round {round_ - WARM_ROUNDS + 1}"] = load
                 for label, seconds in cpu_seconds_by_process(system.services).items():
                     cpu[name][label] = cpu[name].get(label, 0.0) + seconds - before.get(label, 0.0)
-    for name, load in (await _sequential_in_turns(systems, keys, rounds + 1, sequential)).items():
+    for name, load in (await _sequential_in_turns(systems, keys, WARM_ROUNDS + rounds, sequential)).items():
         runs[name]["sequential"] = load
     requests = rounds * CONCURRENCY
     return runs, {name: {label: s / requests for label, s in by.items()} for name, by in cpu.items()}
