@@ -5,8 +5,9 @@ event loop while it does: every stream of every request waits. Most of those obj
 once at start-up (torch, transformers, vLLM, gRPC and their modules, the loaded engine) and live
 for the life of the process. Measured here on 2 CPU cores: a full collection takes about 200 ms in
 an LLM service (640,000 objects from imports alone), 100 ms in the encoder and 15 ms in the
-gateway; under load they still come (a benchmark's 32-request bursts here saw one in 14). vLLM's own OpenAI server freezes
-its heap after start-up for this reason (vllm.utils.gc_utils.freeze_gc_heap); so do we.
+gateway; under load they still come (a benchmark's 32-request bursts here saw one in 14). vLLM's
+own OpenAI server freezes its heap after start-up for this reason
+(vllm.utils.gc_utils.freeze_gc_heap); so do we.
 """
 
 from __future__ import annotations
