@@ -82,7 +82,12 @@ async def event_stream(
 ) -> AsyncIterator[str]:
     """chat.completion.chunk events: each choice's role first and finish_reason last, an
     optional usage chunk (empty choices), then [DONE]. An error after the first event
-    becomes an error event, then [DONE]."""
+    becomes an error event, then [DONE].
+
+    Events made ready together go out as one body write: the role events with the first chunk's,
+    a chunk's content with its finish_reason, the usage chunk with [DONE]. Each write is a send
+    through every ASGI layer and a syscall, the gateway's main cost per token; an SSE client reads
+    events, however they were cut into writes."""
     created = int(time.time())
     usage = _Usage()
 
@@ -103,21 +108,24 @@ async def event_stream(
     ) -> dict[str, Any]:
         return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs_body(logprobs)}
 
-    for index in range(n):
-        yield frame([choice(index, {"role": "assistant", "content": ""})])
+    ready = [frame([choice(index, {"role": "assistant", "content": ""})]) for index in range(n)]
     try:
         async for index, chunk in chunks:
             # Tokens of an incomplete character come with no text, but their logprobs still go out.
             if chunk.text or chunk.logprobs:
-                yield frame([choice(index, {"content": chunk.text}, logprobs=chunk.logprobs)])
+                ready.append(frame([choice(index, {"content": chunk.text}, logprobs=chunk.logprobs)]))
             if chunk.finish_reason is not None:
                 usage.add(chunk)
-                yield frame([choice(index, {}, chunk.finish_reason)])
+                ready.append(frame([choice(index, {}, chunk.finish_reason)]))
+            if ready:
+                yield "".join(ready)
+                ready = []
         if include_usage:
-            yield frame([], usage=usage.as_dict())
+            ready.append(frame([], usage=usage.as_dict()))
     except ServiceError as error:
-        yield _sse(error_body(error))
+        ready.append(_sse(error_body(error)))
     except Exception:  # a bug must still end the stream properly, not cut the connection
         logger.exception("unexpected error while streaming %s", completion_id)
-        yield _sse(error_body(Internal("internal error; see the gateway log")))
-    yield "data: [DONE]\n\n"
+        ready.append(_sse(error_body(Internal("internal error; see the gateway log"))))
+    ready.append("data: [DONE]\n\n")
+    yield "".join(ready)
