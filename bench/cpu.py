@@ -23,6 +23,11 @@ def _cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5), from field 3
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """CPU time so far of one process (0 if it is gone)."""
+    return _cpu_ticks(pid) / _TICKS_PER_S
+
+
 def _command_name(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
@@ -37,5 +42,5 @@ def cpu_seconds_by_process(services: list[Service]) -> dict[str, float]:
     for service in services:
         for pid in process_tree(service.process.pid):
             label = f"{service.name} {_command_name(pid)}"
-            seconds[label] = seconds.get(label, 0.0) + _cpu_ticks(pid) / _TICKS_PER_S
+            seconds[label] = seconds.get(label, 0.0) + process_cpu_seconds(pid)
     return seconds
