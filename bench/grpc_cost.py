@@ -143,7 +143,10 @@ def run(load: Load) -> dict[str, dict[str, float]]:
     argv = [sys.executable, "-m", "bench.grpc_cost", "--serve", str(port), *_load_args(load)]
     server = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     try:
-        assert server.stdout is not None and server.stdout.readline().strip() == "serving"
+        # The wait is a statement of its own: inside an assert, `python -O` would skip it.
+        first_line = server.stdout.readline().strip() if server.stdout is not None else ""
+        if first_line != "serving":
+            raise RuntimeError(f"the gRPC cost server did not start (it printed {first_line!r})")
         return asyncio.run(measure(port, server.pid, load))
     finally:
         server.kill()
