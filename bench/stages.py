@@ -39,7 +39,5 @@ def stage_means_ms(metrics_urls: list[str]) -> dict[str, float]:
 
 def histogram_totals(url: str, name: str) -> tuple[float, float]:
     """(sum, count) of the histogram `name` at `url`, over all its labels."""
-    total = count = 0.0
-    for (_, _), (part_sum, part_count) in _sums_and_counts(url, (name,)).items():
-        total, count = total + part_sum, count + part_count
-    return total, count
+    parts = _sums_and_counts(url, (name,)).values()
+    return sum((part[0] for part in parts), 0.0), sum((part[1] for part in parts), 0.0)
