@@ -19,16 +19,20 @@ image instead of 128 s (a float32 tower took ~18 s). Weights stay bfloat16 in me
 widens the ones it needs, ~3% of the product's time.
 
 Every other op (layer norms, rotary, attention, activations) runs as transformers runs it, in the
-tower's dtype.
+tower's dtype; on float32 towers, the quick_gelu activation is the exception (below).
 
 float32 towers on CPU (cpu_matmul="onednn", the default): the linear layers run in that same
 oneDNN float32 matmul instead of torch's default MKL one, as vLLM's CPU linear layers do. Measured
 on 2 AMD EPYC cores (2026-12-03; F.linear against torch.ops.mkldnn._linear_pointwise, ten calls
 each, on the 2B-shaped tower's four shapes at 1024 rows): 49/16/66/65 ms against 70/20/95/83 ms
 per product (qkv, proj, fc1, fc2), and a whole 448x448 forward pass 9.0-9.8 s against 12.0-12.7 s;
-scenario 4 of `make bench` times the tower against vLLM's. The sums run in another order, so values differ from
-transformers' tower by float rounding (~1e-5 absolute at std ~0.6); cpu_matmul="exact" keeps
-torch's kernels and transformers' bits. CPUs with bfloat16 kernels and GPUs are left as they are.
+scenario 4 of `make bench` times the tower against vLLM's. The MLPs' quick_gelu then runs inside
+fc1's matmul (_mlp_with_quick_gelu_in_fc1): torch.profiler put the stock activation's multiply
+and sigmoid at 10% of a whole forward pass, and a 448x448 pass went from 4.84-5.03 s to 4.08-4.40 s
+(2 AMD EPYC cores, 2026-12-04, three passes each way, alternating). The sums run in another order,
+so values differ from transformers' tower by float rounding (~1e-5 absolute at std ~0.6);
+cpu_matmul="exact" keeps torch's kernels, transformers' activation and its bits. CPUs with
+bfloat16 kernels and GPUs are left as they are.
 """
 
 from __future__ import annotations
@@ -40,13 +44,16 @@ from typing import Literal, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.qwen2_vl.modeling_qwen2_vl import PatchEmbed, Qwen2VisionTransformerPretrainedModel
+from transformers.activations import QuickGELUActivation
+from transformers.models.qwen2_vl.modeling_qwen2_vl import PatchEmbed, Qwen2VisionTransformerPretrainedModel, VisionMlp
 
 logger = logging.getLogger(__name__)
 _MARK = "_fast_tower"
 
 
 CpuMatmul = Literal["onednn", "exact"]
+# transformers' QuickGELUActivation: quick_gelu(z) = z * sigmoid(QUICK_GELU_SCALE * z).
+QUICK_GELU_SCALE = 1.702
 
 
 def make_fast(
@@ -67,6 +74,7 @@ def make_fast(
         logger.info("no bfloat16 matmul kernel on this CPU: the vision tower multiplies in float32")
     elif cpu_matmul == "onednn" and multiplies_float32_in_onednn(dtype, device):
         _linears_in_onednn_float32(tower)
+        _quick_gelus_in_fc1(tower)
         logger.info("float32 vision tower: linear layers in oneDNN's matmul (ENCODER_CPU_MATMUL=exact for torch's)")
     setattr(tower, _MARK, True)
     return tower
@@ -81,6 +89,31 @@ def _linears_in_onednn_float32(tower: nn.Module) -> None:
     for module in tower.modules():
         if isinstance(module, nn.Linear):
             module.forward = types.MethodType(_linear_in_float32, module)  # type: ignore[method-assign]
+
+
+def _quick_gelus_in_fc1(tower: Qwen2VisionTransformerPretrainedModel) -> None:
+    for block in tower.blocks:
+        mlp = block.mlp
+        if isinstance(mlp, VisionMlp) and isinstance(mlp.act, QuickGELUActivation):
+            mlp.forward = types.MethodType(_mlp_with_quick_gelu_in_fc1, mlp)  # type: ignore[method-assign]
+
+
+def _mlp_with_quick_gelu_in_fc1(self: VisionMlp, x: torch.Tensor) -> torch.Tensor:
+    """VisionMlp.forward for float32 x [rows, dim], its activation computed inside fc1's matmul.
+
+    oneDNN applies swish(y) = y * sigmoid(y) to each output block while it is in cache; torch's
+    quick_gelu is three more passes over fc1's 4x-wide output (multiply, sigmoid, multiply), 33%
+    of fc1's own time on the 2B-shaped tower. swish(s*z) = s * quick_gelu(z) with s the quick_gelu
+    scale, and s*z = fc1(x) with x and the bias scaled by s, so: scale the (narrow) input, fuse
+    swish, and divide by s in fc2's (narrow) output. Within float rounding of the stock MLP.
+    """
+    fc1, fc2, scale = self.fc1, self.fc2, QUICK_GELU_SCALE
+    bias1 = None if fc1.bias is None else fc1.bias * scale
+    hidden = torch.ops.mkldnn._linear_pointwise(x * scale, fc1.weight, bias1, "swish", [], "")  # s * quick_gelu(z)
+    out = cast(torch.Tensor, torch.ops.mkldnn._linear_pointwise(hidden, fc2.weight, None, "none", [], ""))
+    if fc2.bias is None:
+        return out * (1 / scale)
+    return torch.add(fc2.bias, out, alpha=1 / scale)
 
 
 def widens_bfloat16_products(dtype: torch.dtype, device: torch.device) -> bool:

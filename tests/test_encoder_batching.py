@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 from transformers import Qwen2VLForConditionalGeneration
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
-from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel, VisionMlp
 
 from encoder_service import fast_tower
 from encoder_service.batcher import MicroBatcher
@@ -133,6 +133,23 @@ def test_the_served_float32_tower_multiplies_in_onednn_and_exact_keeps_torchs_la
     fc1 = encoders["float32"].tower.blocks[0].mlp.fc1
     assert vars(fc1)["forward"].__func__ is fast_tower._linear_in_float32
     assert "forward" not in vars(encoders["float32-exact"].tower.blocks[0].mlp.fc1)
+    for block in encoders["float32"].tower.blocks:  # batch_invariant's per-image wrapper around make_fast's
+        assert vars(block.mlp)["forward"].__wrapped__.__func__ is fast_tower._mlp_with_quick_gelu_in_fc1
+
+
+def test_quick_gelu_inside_fc1_matches_the_stock_mlp_at_the_2b_tower_widths() -> None:
+    """The fused MLP (fast_tower._mlp_with_quick_gelu_in_fc1) against transformers' VisionMlp on the
+    2B-shaped tower's widths: within float rounding, for a bias-free fc2 too."""
+    torch.manual_seed(0)
+    mlp = VisionMlp(
+        BENCH_VISION["embed_dim"], BENCH_VISION["embed_dim"] * BENCH_VISION["mlp_ratio"], "quick_gelu"
+    ).eval()
+    x = torch.randn(300, BENCH_VISION["embed_dim"])
+    for bias in (mlp.fc2.bias, None):
+        mlp.fc2.bias = bias
+        with torch.inference_mode():
+            stock, fused = mlp(x), fast_tower._mlp_with_quick_gelu_in_fc1(mlp, x)
+        torch.testing.assert_close(fused, stock, rtol=1e-5, atol=1e-5 * float(stock.abs().max()))
 
 
 @pytest.fixture(scope="module")
