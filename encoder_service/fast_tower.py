@@ -54,6 +54,9 @@ _MARK = "_fast_tower"
 CpuMatmul = Literal["onednn", "exact"]
 # transformers' QuickGELUActivation: quick_gelu(z) = z * sigmoid(QUICK_GELU_SCALE * z).
 QUICK_GELU_SCALE = 1.702
+# The row count oneDNN lays packed weights out for: one 448x448 image's patches. Only speed depends
+# on it, and little (measured from 2 to 4096 rows).
+PACKED_FOR_ROWS = 1024
 
 
 def make_fast(
@@ -61,8 +64,10 @@ def make_fast(
 ) -> Qwen2VisionTransformerPretrainedModel:
     """Patches `tower` in place (idempotent) and returns it; call it once the tower has its dtype.
 
-    Only this instance's submodules get a new `forward`: classes, weights and state-dict names
-    stay as they are. Apply it before make_batch_invariant, which wraps the forwards set here.
+    Only this instance's submodules get a new `forward`: classes and weight values stay as they
+    are. A float32 tower's linear weights are replaced by oneDNN's packed copies (_pack_weight), so
+    the patched tower serves forward passes only: it cannot be moved, trained or saved. Apply it
+    before make_batch_invariant, which wraps the forwards set here.
     """
     if getattr(tower, _MARK, False):
         return tower
@@ -73,7 +78,7 @@ def make_fast(
         patch_embed.forward = types.MethodType(_patch_embed_in_float32, patch_embed)  # type: ignore[method-assign]
         logger.info("no bfloat16 matmul kernel on this CPU: the vision tower multiplies in float32")
     elif cpu_matmul == "onednn" and multiplies_float32_in_onednn(dtype, device):
-        _linears_in_onednn_float32(tower)
+        _linears_in_onednn_float32(tower, packed=True)
         _quick_gelus_in_fc1(tower)
         logger.info("float32 vision tower: linear layers in oneDNN's matmul (ENCODER_CPU_MATMUL=exact for torch's)")
     setattr(tower, _MARK, True)
@@ -85,10 +90,24 @@ def multiplies_float32_in_onednn(dtype: torch.dtype, device: torch.device) -> bo
     return dtype == torch.float32 and device.type == "cpu" and torch.backends.mkldnn.is_available()
 
 
-def _linears_in_onednn_float32(tower: nn.Module) -> None:
+def _linears_in_onednn_float32(tower: nn.Module, packed: bool = False) -> None:
     for module in tower.modules():
         if isinstance(module, nn.Linear):
+            if packed:
+                _pack_weight(module)
             module.forward = types.MethodType(_linear_in_float32, module)  # type: ignore[method-assign]
+
+
+def _pack_weight(linear: nn.Linear) -> None:
+    """Replaces a float32 linear layer's weight by oneDNN's packed (blocked) copy of it, as vLLM's
+    CPU linear layers hold theirs: given a plain weight, oneDNN reorders it on every call. Same
+    products bit for bit at every row count from 2 to 4096 (tested); measured on 2 AMD EPYC cores
+    (2026-12-04), 4% off a 448x448 forward pass (3.85-3.92 s against 4.01-4.07 s, alternating).
+    The plain weight is freed, so memory stays as it was."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACKED_FOR_ROWS)
+    del linear.weight
+    # A buffer, not a parameter (a packed tensor is no trainable weight); not in the state dict.
+    linear.register_buffer("weight", packed, persistent=False)
 
 
 def _quick_gelus_in_fc1(tower: Qwen2VisionTransformerPretrainedModel) -> None:

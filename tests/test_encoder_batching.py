@@ -135,6 +135,20 @@ def test_the_served_float32_tower_multiplies_in_onednn_and_exact_keeps_torchs_la
     assert "forward" not in vars(encoders["float32-exact"].tower.blocks[0].mlp.fc1)
     for block in encoders["float32"].tower.blocks:  # batch_invariant's per-image wrapper around make_fast's
         assert vars(block.mlp)["forward"].__wrapped__.__func__ is fast_tower._mlp_with_quick_gelu_in_fc1
+    assert fc1.weight.is_mkldnn and not encoders["float32-exact"].tower.blocks[0].mlp.fc1.weight.is_mkldnn
+
+
+@pytest.mark.parametrize("rows", [2, 3, 16, 257, 1024, 4096])
+def test_packed_weights_give_the_plain_weights_products_bit_for_bit(rows: int) -> None:
+    """fast_tower._pack_weight's claim, at the 2B tower's widest product: packing changes speed only."""
+    torch.manual_seed(rows)
+    width = BENCH_VISION["embed_dim"]
+    weight, bias = torch.randn(width * BENCH_VISION["mlp_ratio"], width), torch.randn(width * BENCH_VISION["mlp_ratio"])
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, fast_tower.PACKED_FOR_ROWS)
+    x = torch.randn(rows, width)
+    for activation in ("none", "swish"):
+        plain = torch.ops.mkldnn._linear_pointwise(x, weight, bias, activation, [], "")
+        assert torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, bias, activation, [], ""), plain)
 
 
 def test_quick_gelu_inside_fc1_matches_the_stock_mlp_at_the_2b_tower_widths() -> None:
