@@ -101,7 +101,8 @@ def _linears_in_onednn_float32(tower: nn.Module, packed: bool = False) -> None:
 def _pack_weight(linear: nn.Linear) -> None:
     """Replaces a float32 linear layer's weight by oneDNN's packed (blocked) copy of it, as vLLM's
     CPU linear layers hold theirs: given a plain weight, oneDNN reorders it on every call. Same
-    products bit for bit at every row count from 2 to 4096 (tested); measured on 2 AMD EPYC cores
+    products bit for bit at every row count from 2 to 4096 on the AMD EPYC measured (at 1 row,
+    within rounding; tests allow rounding for other CPUs' kernels); measured on 2 AMD EPYC cores
     (2026-12-04), 4% off a 448x448 forward pass (3.85-3.92 s against 4.01-4.07 s, alternating).
     The plain weight is freed, so memory stays as it was."""
     packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACKED_FOR_ROWS)

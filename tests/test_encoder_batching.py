@@ -139,8 +139,10 @@ def test_the_served_float32_tower_multiplies_in_onednn_and_exact_keeps_torchs_la
 
 
 @pytest.mark.parametrize("rows", [2, 3, 16, 257, 1024, 4096])
-def test_packed_weights_give_the_plain_weights_products_bit_for_bit(rows: int) -> None:
-    """fast_tower._pack_weight's claim, at the 2B tower's widest product: packing changes speed only."""
+def test_packed_weights_give_the_plain_weights_products(rows: int) -> None:
+    """fast_tower._pack_weight at the 2B tower's widest product: packing changes speed, not values.
+    Bit for bit on the CPUs measured; other CPUs' kernels may sum in another order, so the test
+    allows float rounding."""
     torch.manual_seed(rows)
     width = BENCH_VISION["embed_dim"]
     weight, bias = torch.randn(width * BENCH_VISION["mlp_ratio"], width), torch.randn(width * BENCH_VISION["mlp_ratio"])
@@ -148,7 +150,8 @@ def test_packed_weights_give_the_plain_weights_products_bit_for_bit(rows: int) -
     x = torch.randn(rows, width)
     for activation in ("none", "swish"):
         plain = torch.ops.mkldnn._linear_pointwise(x, weight, bias, activation, [], "")
-        assert torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, bias, activation, [], ""), plain)
+        fast = torch.ops.mkldnn._linear_pointwise(x, packed, bias, activation, [], "")
+        torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5 * float(plain.abs().max()))
 
 
 def test_quick_gelu_inside_fc1_matches_the_stock_mlp_at_the_2b_tower_widths() -> None:
