@@ -123,9 +123,10 @@ def _mlp_with_quick_gelu_in_fc1(self: VisionMlp, x: torch.Tensor) -> torch.Tenso
 
     oneDNN applies swish(y) = y * sigmoid(y) to each output block while it is in cache; torch's
     quick_gelu is three more passes over fc1's 4x-wide output (multiply, sigmoid, multiply): 14 ms
-    on top of fc1's own 29 ms at the 2B-shaped tower's 1024 rows. swish(s*z) = s * quick_gelu(z) with s the quick_gelu
-    scale, and s*z = fc1(x) with x and the bias scaled by s, so: scale the (narrow) input, fuse
-    swish, and divide by s in fc2's (narrow) output. Within float rounding of the stock MLP.
+    on top of fc1's own 29 ms at the 2B-shaped tower's 1024 rows. swish(s*z) = s * quick_gelu(z)
+    with s the quick_gelu scale, and s*z = fc1(x) with x and the bias scaled by s, so: scale the
+    (narrow) input, fuse swish, and divide by s in fc2's (narrow) output. Within float rounding of
+    the stock MLP.
     """
     fc1, fc2, scale = self.fc1, self.fc2, QUICK_GELU_SCALE
     bias1 = None if fc1.bias is None else fc1.bias * scale
