@@ -1,8 +1,9 @@
 """`python -m bench.gpu`: the GPU measurements (bench/gpu/run.sh prepares the environment and runs
 this; see bench/gpu/README.md). Parts run in this order, each written out as soon as it ends, and
 a part that fails or would overrun --budget-s is recorded as such while the others go on:
-golden check (tiny checkpoints) -> benchmark checkpoint built -> plain loop -> blob round trip
-(on the loop's output) -> encoder service. `--device cpu --quick` rehearses all of it on a CPU.
+golden check (tiny checkpoints) -> benchmark checkpoint built -> plain loop, then our encoder's
+tower in-process on the same pixels (its bit-equality checks too) -> blob round trip (on the loop's
+output) -> encoder service. `--device cpu --quick` rehearses all of it on a CPU.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from scripts.redis_process import RedisServer
 T = TypeVar("T")
 MORE_PACKAGES = ("protobuf", "pydantic", "pydantic-settings", "pillow", "numpy", "tokenizers", "huggingface-hub")
 # Rough seconds each part takes on the GPU host; a part is skipped when less than this is left.
-NEEDS_S = {"golden": 60, "checkpoint": 120, "loop": 90, "roundtrip": 20, "service": 150}
+NEEDS_S = {"golden": 60, "checkpoint": 120, "loop": 150, "roundtrip": 20, "service": 150}
 
 
 def _csv(text: str) -> tuple[int, ...]:
@@ -133,10 +134,12 @@ def measure(args: argparse.Namespace, device: torch.device, work: Path, redis_ur
     load = Workload(args.images, args.image_size, args.per_call, args.concurrency, args.peak_tflops * 1e12)
     encoder = new_result(checkpoint, device, dtype, load)
     run.parts.append(encoder)
-    payload = run.step("loop", lambda: measure_loop(encoder, checkpoint, device, dtype, load))
-    if payload is not None:
+    measured = run.step("loop", lambda: measure_loop(encoder, checkpoint, device, dtype, load))
+    if measured is not None:
+        payload, invariance = measured
+        run.parts.append(invariance)
         _keep(run, run.step("roundtrip", lambda: run_roundtrip(*payload, redis_url, args.trips)))
-        del payload
+        del payload, measured
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the loop's model is gone; the service gets the memory
     setup = ServiceSetup(checkpoint, str(device), args.dtype, redis_url, args.max_batch_size, work / "logs")

@@ -1,9 +1,11 @@
-"""Encoder throughput: the plain loop (tower_loop.py) and the service (service_load.py) on one
-table, each row with its images/s and the FLOP utilisation that amounts to (flops.py)."""
+"""Encoder throughput: the plain loop (tower_loop.py), our encoder's tower in-process (ours_loop.py)
+and the service (service_load.py) on one table, each row with its images/s and the FLOP utilisation
+that amounts to (flops.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +14,14 @@ import torch
 from bench.gpu import tower_loop
 from bench.gpu.device import peak_memory_gib
 from bench.gpu.flops import tower_flops, utilisation
+from bench.gpu.ours_loop import measure_ours
 from bench.gpu.service_load import ServiceSetup, run_service
 from bench.outcome import ScenarioResult, Target
 from bench.stats import ratio
 from bench.workload import make_images
 
 COLUMNS = ["images", "calls", "mean batch", "wall s", "images/s", "TFLOP/s", "FLOP utilisation",
-           "p50 latency ms", "p90 latency ms"]  # fmt: skip
+           "p50 latency ms", "p90 latency ms", "tower ms per pass", "tower busy"]  # fmt: skip
 # Seeds of each group of images (bench.workload): no image is seen twice in a run.
 LOOP_NONCE, WARM_NONCE, LEVEL_NONCE = 1, 2, 10
 
@@ -57,13 +60,14 @@ def _with_rates(row: dict[str, Any], result: ScenarioResult) -> dict[str, Any]:
 
 def measure_loop(
     result: ScenarioResult, checkpoint: Path, device: torch.device, dtype: torch.dtype, work: Workload
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plain-loop rows, in `result`; returns the first image's embeddings on the device and its
-    grid (the round trip's payload: [256, 1536] bf16 at 448x448)."""
+) -> tuple[tuple[torch.Tensor, torch.Tensor], ScenarioResult]:
+    """The plain loop's rows and our encoder's in-process rows, in `result`; returns the first
+    image's embeddings on the device and its grid (the round trip's payload: [256, 1536] bf16 at
+    448x448), and the bit-equality checks of our encoder (ours_loop.py)."""
     model = tower_loop.load_model(checkpoint, device, dtype)
     inputs = tower_loop.pixel_inputs(checkpoint, make_images(work.images, LOOP_NONCE, work.image_size))
     for per_call in work.per_call:
-        row = tower_loop.time_loop(model, inputs, device, per_call)
+        row = tower_loop.time_loop(partial(tower_loop.encode, model, device=device), inputs, device, per_call)
         name = (
             "get_image_features loop, 1 image per call" if per_call == 1 else f"get_image_features, {per_call} per call"
         )
@@ -71,7 +75,12 @@ def measure_loop(
     result.config["FLOPs per image (torch FlopCounterMode)"] = tower_loop.counted_flops(model, inputs[0], device)
     result.config["peak device memory GiB (loop)"] = peak_memory_gib(device)
     (embeds,) = tower_loop.encode(model, inputs[:1], device)
-    return embeds.clone(), inputs[0][1]
+    embeds = embeds.clone()
+    del model
+    ours, checks = measure_ours(checkpoint, device, dtype, inputs, work.per_call, embeds)
+    for per_call, row in ours.items():
+        result.rows[f"our encoder in-process (batch-invariant), {per_call} per call"] = _with_rates(row, result)
+    return (embeds, inputs[0][1]), checks
 
 
 def measure_service(result: ScenarioResult, setup: ServiceSetup, work: Workload) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,15 +61,15 @@ def encode(model: Qwen2VLForConditionalGeneration, batch: list[Pixels], device: 
 
 
 def time_loop(
-    model: Qwen2VLForConditionalGeneration, inputs: list[Pixels], device: torch.device, per_call: int
+    encode_fn: Callable[[list[Pixels]], object], inputs: list[Pixels], device: torch.device, per_call: int
 ) -> dict[str, Any]:
-    """Encodes `inputs`, `per_call` images per call, after one untimed call of that size (first
-    calls of a shape pay for kernel selection and allocation)."""
-    encode(model, inputs[:per_call], device)
+    """Encodes `inputs` through `encode_fn`, `per_call` images per call, after one untimed call of
+    that size (first calls of a shape pay for kernel selection and allocation)."""
+    encode_fn(inputs[:per_call])
     synchronize(device)
     started = time.perf_counter()
     for first in range(0, len(inputs), per_call):
-        encode(model, inputs[first : first + per_call], device)
+        encode_fn(inputs[first : first + per_call])
     synchronize(device)
     elapsed = time.perf_counter() - started
     calls = -(-len(inputs) // per_call)
