@@ -17,15 +17,18 @@ from safetensors import safe_open
 # transformers 5.x save_pretrained writes the hub layout (`visual.`); in-memory 5.x names use
 # `model.visual.`. Both name the vision tower.
 VISION_PREFIXES = ("model.visual.", "visual.")
-# Changes whenever the encoder makes other pixels from the same bytes, so that blobs made before
-# get another id and are never taken for the new ones (keys hash the bytes, not the pixels).
+# Changes whenever the encoder makes other embeddings from the same bytes and weights (other
+# pixels, other tower numerics), so that blobs made before get another id and are never taken for
+# the new ones (keys hash the bytes, not the pixels or the code).
 # 2: EXIF orientation applied (encoder_service/images.py).
-PIXEL_PIPELINE_REVISION = 2
+# 3: bfloat16/float16 towers keep transformers' float32 rotary frequencies (encoder_service/vision.py);
+#    float32 embeddings are unchanged, but the id cannot tell the dtypes apart.
+EMBEDDING_REVISION = 3
 
 
 def compute_encoder_id(checkpoint_dir: Path) -> str:
     """`qwen2vl-<16 hex>` over the vision-tower tensors, the image preprocessing config and the
-    encoder's pixel pipeline revision.
+    encoder's embedding revision.
 
     Tensor names are hashed without their layout prefix (`visual.` or `model.visual.`), so one
     tower saved by two transformers versions gets one id.
@@ -45,7 +48,7 @@ def compute_encoder_id(checkpoint_dir: Path) -> str:
         vision_config.pop(volatile, None)
     digest.update(_canonical_json(preprocessor).encode())
     digest.update(_canonical_json(vision_config).encode())
-    digest.update(f"pixels:{PIXEL_PIPELINE_REVISION}".encode())
+    digest.update(f"pixels:{EMBEDDING_REVISION}".encode())
     return f"qwen2vl-{digest.hexdigest()[:16]}"
 
 

@@ -208,6 +208,24 @@ def test_widened_bfloat16_rows_are_as_close_to_float32_as_transformers_bfloat16(
             assert (rows.float() - reference.float()).abs().max() <= 2 * reference_error.max()
 
 
+def test_bfloat16_rows_are_transformers_bfloat16_rows_where_products_are_not_widened(
+    items: list[Preprocessed], checkpoints: dict[str, Path]
+) -> None:
+    """With bfloat16 matmul kernels (GPUs, CPUs with AVX-512 BF16 or AMX), the bfloat16 tower runs
+    transformers' own ops, so each image alone gives get_image_features' bits. That needs the float32
+    buffers transformers keeps (the rotary inverse frequencies) kept float32: rounded to bfloat16 they
+    moved rows by up to 0.04 (bench/gpu on an H200)."""
+    with mock.patch.object(fast_tower, "widens_bfloat16_products", return_value=False):
+        encoder = VisionEncoder.load(str(checkpoints["base"]), dtype=torch.bfloat16)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(checkpoints["base"], dtype=torch.bfloat16).eval()
+    buffers = {name: b.dtype for name, b in model.model.visual.named_buffers()}
+    assert {name: b.dtype for name, b in encoder.tower.named_buffers()} == buffers
+    with torch.inference_mode():
+        for item in items:
+            (reference,) = model.model.get_image_features(*item).pooler_output
+            assert torch.equal(encoder.encode_batch([item])[0], reference)
+
+
 # --- the micro-batcher, on the real tiny encoder ------------------------------------------
 
 
