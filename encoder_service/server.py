@@ -44,7 +44,9 @@ def _observe_batch(batch_size: int, queue_depth: int) -> None:
 
 def build_core(settings: EncoderSettings) -> EncoderCore:
     checkpoint = resolve_checkpoint(settings.checkpoint)
-    vision = VisionEncoder.load(str(checkpoint), settings.device, getattr(torch, settings.dtype), settings.cpu_matmul)
+    vision = VisionEncoder.load(
+        str(checkpoint), settings.device, getattr(torch, settings.dtype), settings.cpu_matmul, settings.cuda_graphs
+    )
     if settings.warmup_pixels:
         started = time.perf_counter()
         vision.warm_up(settings.warmup_pixels)

@@ -28,6 +28,13 @@ class EncoderSettings(StoreSettings, GrpcServerSettings):
         "25-30% faster a forward pass than torch's default kernels; values within float rounding of "
         "transformers' tower); exact keeps torch's kernels, bit-identical to transformers' get_image_features.",
     )
+    cuda_graphs: int = Field(
+        8,
+        ge=0,
+        description="GPU towers: most image shapes kept as CUDA graphs, each replaying a whole pass with one launch "
+        "(encoder_service/cuda_graphs.py; a shape is captured the second time it is seen); results are the eager "
+        "pass's bits. 0 = eager only. Ignored on CPU.",
+    )
     max_image_bytes: int = Field(
         20 * 1024 * 1024, gt=0, description="Largest image file accepted (bytes or fetched URL)."
     )

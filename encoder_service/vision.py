@@ -20,6 +20,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from encoder_service.batch_invariant import make_batch_invariant
+from encoder_service.cuda_graphs import TowerGraphs
 from encoder_service.fast_tower import CpuMatmul, make_fast
 from encoder_service.pixels import resize_like_autoprocessor, target_size
 from encoder_service.resize import check_aspect_ratio
@@ -93,16 +94,24 @@ class VisionEncoder:
         device: torch.device,
         dtype: torch.dtype,
         cpu_matmul: CpuMatmul = "onednn",
+        cuda_graphs: int = 0,
     ) -> None:
         # make_fast first: make_batch_invariant runs the forwards it sets once per image.
         self.tower = make_batch_invariant(make_fast(tower, cpu_matmul))
         self.processor = processor
         self.device = device
         self.dtype = dtype
+        # GPU towers: up to `cuda_graphs` image shapes replayed as CUDA graphs (cuda_graphs.py).
+        self.graphs = TowerGraphs(self.tower, device, cuda_graphs) if device.type == "cuda" and cuda_graphs else None
 
     @classmethod
     def load(
-        cls, checkpoint: str, device: str = "cpu", dtype: torch.dtype = torch.float32, cpu_matmul: CpuMatmul = "onednn"
+        cls,
+        checkpoint: str,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        cpu_matmul: CpuMatmul = "onednn",
+        cuda_graphs: int = 0,
     ) -> VisionEncoder:
         checkpoint_dir = Path(checkpoint)
         vision_config = AutoConfig.from_pretrained(checkpoint_dir).vision_config
@@ -120,7 +129,7 @@ class VisionEncoder:
                 f"image processor merge_size {processor.merge_size} != "
                 f"vision spatial_merge_size {vision_config.spatial_merge_size} in {checkpoint_dir}"
             )
-        return cls(tower, processor, torch.device(device), dtype, cpu_matmul)
+        return cls(tower, processor, torch.device(device), dtype, cpu_matmul, cuda_graphs)
 
     @property
     def merge_size(self) -> int:
@@ -184,6 +193,8 @@ class VisionEncoder:
         """
         if not items:
             return []
+        if self.graphs is not None and self.graphs.enabled:
+            return [self._encode_alone(item) for item in items]
         pixel_values = torch.cat([pv for pv, _ in items]).to(self.device, self.dtype)
         grid_thw = torch.cat([grid.reshape(-1, 3) for _, grid in items]).to(self.device, torch.int64)
         with torch.inference_mode():
@@ -191,3 +202,16 @@ class VisionEncoder:
         sizes = [self.rows_for(grid) for _, grid in items]
         # clone: each result is stored on its own; a view would keep the whole batch alive.
         return [chunk.to("cpu").clone() for chunk in torch.split(merged, sizes)]
+
+    def _encode_alone(self, item: Preprocessed) -> torch.Tensor:
+        """One item in a pass of its own: its grid's CUDA graph, or eagerly where it has none yet."""
+        assert self.graphs is not None
+        pixel_values, grid_thw = item
+        pixels = pixel_values.to(self.device, self.dtype)
+        rows = grid_thw.reshape(-1, 3).tolist()
+        with torch.inference_mode():
+            merged = self.graphs.encode(pixels, tuple(rows[0])) if len(rows) == 1 else None
+            if merged is None:
+                grid = grid_thw.reshape(-1, 3).to(self.device, torch.int64)
+                merged = self.tower(pixels, grid_thw=grid).pooler_output.to("cpu")
+        return merged

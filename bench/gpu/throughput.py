@@ -19,11 +19,13 @@ from bench.gpu.service_load import ServiceSetup, run_service
 from bench.outcome import ScenarioResult, Target
 from bench.stats import ratio
 from bench.workload import make_images
+from encoder_service.settings import EncoderSettings
 
 COLUMNS = ["images", "calls", "mean batch", "wall s", "images/s", "TFLOP/s", "FLOP utilisation",
            "p50 latency ms", "p90 latency ms", "tower ms per pass", "tower busy"]  # fmt: skip
 # Seeds of each group of images (bench.workload): no image is seen twice in a run.
 LOOP_NONCE, WARM_NONCE, LEVEL_NONCE = 1, 2, 10
+DEFAULT_CUDA_GRAPHS = int(EncoderSettings.model_fields["cuda_graphs"].default)
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ def _with_rates(row: dict[str, Any], result: ScenarioResult) -> dict[str, Any]:
 
 def measure_loop(
     result: ScenarioResult, checkpoint: Path, device: torch.device, dtype: torch.dtype, work: Workload
-) -> tuple[tuple[torch.Tensor, torch.Tensor], ScenarioResult]:
+) -> tuple[tuple[torch.Tensor, torch.Tensor], list[ScenarioResult]]:
     """The plain loop's rows and our encoder's in-process rows, in `result`; returns the first
     image's embeddings on the device and its grid (the round trip's payload: [256, 1536] bf16 at
     448x448), and the bit-equality checks of our encoder (ours_loop.py)."""
@@ -77,9 +79,14 @@ def measure_loop(
     (embeds,) = tower_loop.encode(model, inputs[:1], device)
     embeds = embeds.clone()
     del model
-    ours, checks = measure_ours(checkpoint, device, dtype, inputs, work.per_call, embeds)
-    for per_call, row in ours.items():
-        result.rows[f"our encoder in-process (batch-invariant), {per_call} per call"] = _with_rates(row, result)
+    checks = []
+    # On a GPU the service replays CUDA graphs by default; the eager rows show what they save.
+    for graphs, how in [(DEFAULT_CUDA_GRAPHS, "CUDA graphs"), (0, "eager")] if device.type == "cuda" else [(0, "")]:
+        ours, invariance = measure_ours(checkpoint, device, dtype, inputs, work.per_call, embeds, graphs)
+        checks.append(invariance)
+        for per_call, row in ours.items():
+            name = f"our encoder in-process{', ' + how if how else ''}, {per_call} per call"
+            result.rows[name] = _with_rates(row, result)
     return (embeds, inputs[0][1]), checks
 
 
