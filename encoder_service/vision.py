@@ -186,7 +186,8 @@ class VisionEncoder:
         return tokens_for_grid(grid_thw.numpy(), self.merge_size)
 
     def encode_batch(self, items: list[Preprocessed]) -> list[torch.Tensor]:
-        """Encode several preprocessed images (or videos) in one forward pass.
+        """Encode several preprocessed images (or videos): one forward pass, or on a GPU with CUDA
+        graphs one graph replay per item (cuda_graphs.py).
 
         Returns one [rows, hidden_size] tensor per item, on CPU, in the encoder dtype; each is
         bit-identical to `encode_batch([item])[0]`.
