@@ -74,13 +74,13 @@ async def check_ours(base_url: str, redis_url: str, model: str, image: bytes) ->
             seen[EVICTION] = (f"every stored key has a TTL: the workload image's key has {store.ttl(key)} s left "
                               "(ENCODER_EMBEDDING_TTL_S, refreshed on each encode hit)")  # fmt: skip
             blob = store.get(key)
-            forged = embedding_key(encoder_id, os.urandom(16), 0, 0)
+            forged = embedding_key(encoder_id, os.urandom(16), 0, 0, dtype="float32")
             store.set(forged, nan_filled(blob), ex=FORGED_TTL_S)
             seen[FORGED] = await _then(client, base_url, model, forged, key, "a forged blob of NaN")
-            truncated = embedding_key(encoder_id, os.urandom(16), 0, 0)
+            truncated = embedding_key(encoder_id, os.urandom(16), 0, 0, dtype="float32")
             store.set(truncated, blob[: len(blob) // 2], ex=FORGED_TTL_S)
             seen[TRUNCATED] = await _then(client, base_url, model, truncated, key, "a real blob cut to half its bytes")
-            unknown = embedding_key(encoder_id, os.urandom(16), 0, 0)
+            unknown = embedding_key(encoder_id, os.urandom(16), 0, 0, dtype="float32")
             seen[UNKNOWN] = await _then(client, base_url, model, unknown, key, "a key nothing was stored under")
     finally:
         store.close()

@@ -44,7 +44,7 @@ def make_blob(grid: tuple[int, int, int], seed: int) -> tuple[str, bytes]:
     embeds = torch.randn((rows, HIDDEN), generator=torch.Generator().manual_seed(seed))
     blob = blob_from_tensors(embeds, torch.tensor([grid], dtype=torch.int64), ENCODER_ID, "image")
     data = encode_blob(blob, RULES)
-    return embedding_key(ENCODER_ID, data, 0, seed), data
+    return embedding_key(ENCODER_ID, data, 0, seed, dtype="float32"), data
 
 
 def pod_cache() -> tuple[str, Callable[[str, EmbeddingBlob], None], Callable[[str], Any]]:

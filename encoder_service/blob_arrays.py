@@ -20,13 +20,19 @@ _DTYPE_NAMES: dict[torch.dtype, EmbedDtype] = {
 }
 
 
+def blob_dtype(dtype: torch.dtype) -> EmbedDtype:
+    """The blob's name of a tower dtype ("bfloat16"); part of every key (shared/keys.py)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:  # a tower dtype the encoder settings never allow: a bug, not a client error
+        raise ValueError(f"the vision tower produced {dtype}; blobs hold float32, float16 or bfloat16")
+    return name
+
+
 def blob_from_tensors(
     embeds: torch.Tensor, grid_thw: torch.Tensor, encoder_id: str, modality: Modality
 ) -> EmbeddingBlob:
     """embeds [rows, hidden] in the tower's dtype, grid_thw [n, 3] int64, as the blob that stores them."""
-    dtype = _DTYPE_NAMES.get(embeds.dtype)
-    if dtype is None:  # a tower dtype the encoder settings never allow: a bug, not a client error
-        raise ValueError(f"the vision tower produced {embeds.dtype}; blobs hold float32, float16 or bfloat16")
+    dtype = blob_dtype(embeds.dtype)
     rows = embeds.detach().cpu().contiguous()
     array = rows.view(torch.int16).numpy().view(np.uint16) if dtype == "bfloat16" else rows.numpy()
     grid = grid_thw.detach().cpu().to(torch.int64).numpy()

@@ -15,7 +15,7 @@ import torch
 
 from encoder_service import metrics
 from encoder_service.batcher import LanedBatcher, MicroBatcher
-from encoder_service.blob_arrays import blob_from_tensors
+from encoder_service.blob_arrays import blob_dtype, blob_from_tensors
 from encoder_service.fetch import FetchPolicy, fetch_image
 from encoder_service.images import decode_data_url, load_image
 from encoder_service.metrics import EncoderCounters
@@ -77,7 +77,7 @@ class EncoderCore:
         """Key of the image's stored embeddings, encoding only when Redis lacks it."""
         image_bytes = await self._image_bytes(source)
         min_px, max_px = self.limits.image_pixels.bounds(min_pixels, max_pixels)
-        key = embedding_key(self.encoder_id, image_bytes, min_px, max_px)
+        key = embedding_key(self.encoder_id, image_bytes, min_px, max_px, dtype=blob_dtype(self.vision.dtype))
         tracing.annotate({tracing.MEDIA_KEY: key})
 
         def preprocess() -> Preprocessed:
@@ -98,7 +98,7 @@ class EncoderCore:
             *(self._image_bytes(frame, f"frames[{i}]") for i, frame in enumerate(frames))
         )
         min_px, max_px = self.limits.video_pixels.bounds(min_pixels, max_pixels)
-        key = video_key(self.encoder_id, frame_bytes, min_px, max_px)
+        key = video_key(self.encoder_id, frame_bytes, min_px, max_px, dtype=blob_dtype(self.vision.dtype))
         tracing.annotate({tracing.MEDIA_KEY: key})
 
         def preprocess() -> Preprocessed:

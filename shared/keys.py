@@ -1,8 +1,9 @@
 """Content keys for stored embeddings: `emb:v1:<encoder_id>:<digest>`.
 
 The digest covers the image bytes (a video's frames) and every option that changes the result
-(the effective min/max pixels), so equal inputs share one key and different
-preprocessing never collides.
+(the effective min/max pixels, the tower's dtype), so equal inputs share one key and different
+preprocessing or precision never collides: a bfloat16 and a float32 encoder of one tower share
+its encoder id (an LLM service accepts both), but never each other's blobs.
 """
 
 from __future__ import annotations
@@ -31,18 +32,19 @@ class ParsedKey:
     digest: str
 
 
-def embedding_key(encoder_id: str, image_bytes: bytes, min_pixels: int, max_pixels: int) -> str:
-    """The key of an image encoded by `encoder_id` with these pixel bounds."""
+def embedding_key(encoder_id: str, image_bytes: bytes, min_pixels: int, max_pixels: int, *, dtype: str) -> str:
+    """The key of an image encoded by `encoder_id` with these pixel bounds, by a tower in `dtype`."""
     if ":" in encoder_id:
         raise ValueError(f"encoder_id must not contain ':' ({encoder_id!r})")
     digest = hashlib.sha256()
-    digest.update(f"image\0min_pixels={min_pixels}\0max_pixels={max_pixels}\0".encode())
+    digest.update(f"image\0min_pixels={min_pixels}\0max_pixels={max_pixels}\0dtype={dtype}\0".encode())
     digest.update(image_bytes)
     return f"{KEY_PREFIX}{encoder_id}:{digest.hexdigest()}"
 
 
-def video_key(encoder_id: str, frames: list[bytes], min_pixels: int, max_pixels: int) -> str:
-    """The key of a video (its frames, in order) encoded by `encoder_id` with these per-frame bounds.
+def video_key(encoder_id: str, frames: list[bytes], min_pixels: int, max_pixels: int, *, dtype: str) -> str:
+    """The key of a video (its frames, in order) encoded by `encoder_id` with these per-frame bounds,
+    by a tower in `dtype`.
 
     Each frame is length-prefixed, so no two frame lists share a digest, and the "video" tag keeps
     a one-frame video apart from the same image.
@@ -50,7 +52,8 @@ def video_key(encoder_id: str, frames: list[bytes], min_pixels: int, max_pixels:
     if ":" in encoder_id:
         raise ValueError(f"encoder_id must not contain ':' ({encoder_id!r})")
     digest = hashlib.sha256()
-    digest.update(f"video\0frames={len(frames)}\0min_pixels={min_pixels}\0max_pixels={max_pixels}\0".encode())
+    header = f"video\0frames={len(frames)}\0min_pixels={min_pixels}\0max_pixels={max_pixels}\0dtype={dtype}\0"
+    digest.update(header.encode())
     for frame in frames:
         digest.update(len(frame).to_bytes(8, "little"))
         digest.update(frame)

@@ -180,7 +180,7 @@ def test_bad_data_url_is_400(stack: Stack) -> None:
 
 def test_unknown_key_is_404_at_gateway_and_llm_service(stack: Stack) -> None:
     encoder_id = EncoderClient(stack.encoder_target).stats().encoder_id
-    key = embedding_key(encoder_id, b"never stored", 1, 2)
+    key = embedding_key(encoder_id, b"never stored", 1, 2, dtype="float32")
     part = {"type": "image_embeds", "image_embeds": None, "uuid": key}
     _assert_error(_chat(stack, _image_chat("ft-a", part)), 404, code="embedding_not_found")
     with LLMClient(stack.llm_target("ft-a")) as llm, pytest.raises(EmbeddingNotFound) as caught:
@@ -244,7 +244,7 @@ def _randn(*shape: int) -> np.ndarray:
 
 def test_corrupt_stored_blob_is_a_client_error_via_gateway(stack: Stack) -> None:
     encoder_id = EncoderClient(stack.encoder_target).stats().encoder_id
-    key = embedding_key(encoder_id, b"corrupt entry", 1, 2)
+    key = embedding_key(encoder_id, b"corrupt entry", 1, 2, dtype="float32")
     # 3 rows for a grid that implies 4: what a buggy writer might store
     stored = serialize_unvalidated(EmbeddingBlob(_randn(3, HIDDEN), np.array([[1, 4, 4]]), encoder_id))
     stack.redis.client().set(key, stored, ex=60)

@@ -77,7 +77,7 @@ def test_concurrent_questions_on_a_new_image_share_one_redis_get(stack: Stack) -
 
 def test_concurrent_questions_on_a_missing_key_each_get_not_found(stack: Stack) -> None:
     with EncoderClient(stack.encoder_target) as encoder:
-        key = embedding_key(encoder.stats().encoder_id, b"never stored (concurrent)", 1, 2)
+        key = embedding_key(encoder.stats().encoder_id, b"never stored (concurrent)", 1, 2, dtype="float32")
 
     async def ask(llm: AsyncLLMClient) -> BaseException | str:
         messages = [Message("user", [ImageKey(key), "hi"])]

@@ -86,19 +86,20 @@ def test_garbage_and_pickle_are_refused_without_unpickling(data: bytes) -> None:
         decode_blob(data, RULES)
 
 
-def test_keys_depend_on_bytes_and_pixel_options() -> None:
-    base = embedding_key("enc-a", b"image", 100, 200)
-    assert base == embedding_key("enc-a", b"image", 100, 200)
+def test_keys_depend_on_bytes_pixel_options_and_dtype() -> None:
+    base = embedding_key("enc-a", b"image", 100, 200, dtype="float32")
+    assert base == embedding_key("enc-a", b"image", 100, 200, dtype="float32")
     assert (
         len(
             {
                 base,
-                embedding_key("enc-a", b"image2", 100, 200),
-                embedding_key("enc-a", b"image", 100, 300),
-                embedding_key("enc-b", b"image", 100, 200),
+                embedding_key("enc-a", b"image2", 100, 200, dtype="float32"),
+                embedding_key("enc-a", b"image", 100, 300, dtype="float32"),
+                embedding_key("enc-b", b"image", 100, 200, dtype="float32"),
+                embedding_key("enc-a", b"image", 100, 200, dtype="bfloat16"),
             }
         )
-        == 4
+        == 5
     )
     assert base.startswith("emb:v1:enc-a:")
     assert encoder_id_of_key(base) == "enc-a"

@@ -36,7 +36,7 @@ def _scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:
 def test_llm_service_exports_blob_cache_hits_misses_fetch_time_and_missing_keys(stack: Stack, metrics_url: str) -> None:
     with EncoderClient(stack.encoder_target) as encoder:
         key = encoder.encode(image_bytes=png_bytes(6101)).key
-        missing = embedding_key(encoder.stats().encoder_id, b"never stored (counters)", 1, 2)
+        missing = embedding_key(encoder.stats().encoder_id, b"never stored (counters)", 1, 2, dtype="float32")
     before = _scrape(metrics_url, LLM_SAMPLES)
     with LLMClient(stack.llm_target("ft-a")) as llm:
         for _ in range(2):  # fetched from Redis (a miss), then answered by the pod cache (a hit)

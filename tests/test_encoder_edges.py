@@ -95,6 +95,27 @@ def test_get_embedding_never_returns_a_value_that_is_not_one_of_its_blobs(
         redis.delete(*planted)
 
 
+def test_a_bfloat16_and_a_float32_encoder_of_one_tower_never_share_a_blob(
+    encoder: EncoderServer, checkpoints: dict[str, Path], redis_server: RedisServer, background_loop: BackgroundLoop
+) -> None:
+    """One tower in two dtypes has one encoder id, which an LLM service accepts from both; so the key
+    tells the dtypes apart. Without that, whichever encoder met an image first would decide the
+    other's embeddings (a float32 blob served by a bfloat16 deployment, or the reverse)."""
+    bfloat16 = _start(
+        background_loop, checkpoint=str(checkpoints["base"]), redis_url=redis_server.url, dtype="bfloat16"
+    )
+    image = png_bytes(5302)
+    try:
+        with EncoderClient(_target(encoder)) as single, EncoderClient(_target(bfloat16)) as half:
+            stored = {"float32": single.encode(image_bytes=image), "bfloat16": half.encode(image_bytes=image)}
+            assert not stored["bfloat16"].cache_hit and stored["float32"].key != stored["bfloat16"].key
+            assert stored["float32"].encoder_id == stored["bfloat16"].encoder_id
+            for dtype, reply in stored.items():
+                assert decode_blob(single.get_embedding(reply.key), encoder.core.rules).dtype == dtype
+    finally:
+        background_loop.run(bfloat16.stop())
+
+
 def test_a_10k_character_key_is_invalid_argument_with_a_short_message(encoder: EncoderServer) -> None:
     key = f"emb:v1:{encoder.core.encoder_id}:" + "a" * 10_000
     with grpc.insecure_channel(_target(encoder)) as channel:

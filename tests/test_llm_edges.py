@@ -94,7 +94,7 @@ def test_one_image_with_more_tokens_than_the_context_is_a_400(stack: Stack, mode
     encoder_id = next(iter(rules.accepted_encoder_ids))
     rows = np.random.default_rng(0).standard_normal((96 * 96 // 4, rules.hidden_size), dtype=np.float32)
     blob = EmbeddingBlob(rows, np.array([[1, 96, 96]]), encoder_id)
-    key = embedding_key(encoder_id, b"an image larger than the context", 1, 2)
+    key = embedding_key(encoder_id, b"an image larger than the context", 1, 2, dtype="float32")
     stack.redis.client().set(key, encode_blob(blob, rules), ex=60)
     image = {"type": "image_embeds", "image_embeds": None, "uuid": key}
     response = _chat(stack, _body(model, [image, {"type": "text", "text": "What is it?"}], stream))

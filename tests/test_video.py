@@ -91,14 +91,15 @@ def test_two_identical_frames_are_exactly_that_image() -> None:
 def test_video_keys_depend_on_every_frame_and_their_order() -> None:
     a, b = _png(make_image(1, 28, 28)), _png(make_image(2, 28, 28))
     keys = {
-        video_key("enc", [a, b], 1, 2),
-        video_key("enc", [b, a], 1, 2),
-        video_key("enc", [a + b], 1, 2),
-        video_key("enc", [a, b], 1, 3),
-        video_key("enc", [a], 1, 2),
-        embedding_key("enc", a, 1, 2),
+        video_key("enc", [a, b], 1, 2, dtype="float32"),
+        video_key("enc", [b, a], 1, 2, dtype="float32"),
+        video_key("enc", [a + b], 1, 2, dtype="float32"),
+        video_key("enc", [a, b], 1, 3, dtype="float32"),
+        video_key("enc", [a], 1, 2, dtype="float32"),
+        embedding_key("enc", a, 1, 2, dtype="float32"),
+        video_key("enc", [a, b], 1, 2, dtype="bfloat16"),
     }
-    assert len(keys) == 6
+    assert len(keys) == 7
 
 
 def test_prompt_pads_images_and_videos_in_order_and_expands_each_to_its_rows(checkpoints: dict[str, Path]) -> None:

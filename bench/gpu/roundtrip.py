@@ -45,7 +45,7 @@ async def _trips(
     times, exact, size = [], 0, 0
     try:
         for trip in range(trips):
-            key = embedding_key(ENCODER_ID, f"trip {trip}".encode(), 0, 0)
+            key = embedding_key(ENCODER_ID, f"trip {trip}".encode(), 0, 0, dtype="bfloat16")
             synchronize(device)
             clock = [time.perf_counter()]
             blob = blob_from_tensors(embeds, grid, ENCODER_ID, "image")
