@@ -196,6 +196,9 @@ class VisionEncoder:
             return []
         if self.graphs is not None and self.graphs.enabled:
             return [self._encode_alone(item) for item in items]
+        return self._encode_in_one_pass(items)
+
+    def _encode_in_one_pass(self, items: list[Preprocessed]) -> list[torch.Tensor]:
         pixel_values = torch.cat([pv for pv, _ in items]).to(self.device, self.dtype)
         grid_thw = torch.cat([grid.reshape(-1, 3) for _, grid in items]).to(self.device, torch.int64)
         with torch.inference_mode():
@@ -208,11 +211,10 @@ class VisionEncoder:
         """One item in a pass of its own: its grid's CUDA graph, or eagerly where it has none yet."""
         assert self.graphs is not None
         pixel_values, grid_thw = item
-        pixels = pixel_values.to(self.device, self.dtype)
         rows = grid_thw.reshape(-1, 3).tolist()
-        with torch.inference_mode():
-            merged = self.graphs.encode(pixels, tuple(rows[0])) if len(rows) == 1 else None
-            if merged is None:
-                grid = grid_thw.reshape(-1, 3).to(self.device, torch.int64)
-                merged = self.tower(pixels, grid_thw=grid).pooler_output.to("cpu")
-        return merged
+        if len(rows) == 1:
+            with torch.inference_mode():
+                replayed = self.graphs.encode(pixel_values.to(self.device, self.dtype), tuple(rows[0]))
+            if replayed is not None:
+                return replayed
+        return self._encode_in_one_pass([item])[0]
