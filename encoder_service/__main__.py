@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 from encoder_service.allocator import retain_freed_memory
 from encoder_service.server import start_encoder_server
@@ -12,10 +14,12 @@ from shared.gc_heap import freeze_startup_heap
 from shared.grpc_metrics import serve_metrics
 from shared.grpc_server import serve_until_signal
 from shared.logging_setup import configure_logging
+from shared.service_server import FAILURE_GRACE_S
 from shared.tracing import TracingSettings, init_tracing
 
 
-async def main() -> None:
+async def main() -> int:
+    """Serves until SIGTERM (exit 0) or until the vision tower hangs (exit 1, to be restarted)."""
     settings = EncoderSettings()
     configure_logging("encoder", settings.log_level, settings.json_logs)
     tracer_provider = init_tracing("encoder", TracingSettings())
@@ -25,12 +29,16 @@ async def main() -> None:
     server = await start_encoder_server(settings)
     logging.getLogger(__name__).info("encoder %s ready on port %d", server.core.encoder_id, server.port)
     freeze_startup_heap()  # tower loaded and warmed up, server up: what exists now lives as long as the process
-    await serve_until_signal(server.running, settings.grace_s)
+    failure = await serve_until_signal(server.running, settings.grace_s, server.until_failed(), FAILURE_GRACE_S)
+    if failure is not None:  # the hung pass holds a worker thread that will never return
+        logging.getLogger(__name__).error("exiting without waiting for the hung forward pass")
+        os._exit(1)
     await server.core.batcher.aclose()
     await server.core.store.aclose()
     if tracer_provider is not None:
         tracer_provider.shutdown()  # exports the spans still queued
+    return 0
 
 
 if __name__ == "__main__":
-    event_loop.run(main())
+    sys.exit(event_loop.run(main()))

@@ -26,6 +26,7 @@ from shared import tracing
 from shared.blob import BlobRules, EmbeddingBlob, Modality, decode_blob, encode_blob
 from shared.errors import EmbeddingNotFound, IncompatibleEncoder, InvalidEmbedding, InvalidInput, TooLarge, clip
 from shared.keys import embedding_key, parse_key, video_key
+from shared.progress_watch import ProgressWatch
 from shared.store import EmbeddingStore
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class EncoderCore:
     store: EmbeddingStore
     limits: EncoderLimits
     batcher: LanedBatcher[Preprocessed, torch.Tensor] | MicroBatcher[Preprocessed, torch.Tensor]
+    progress: ProgressWatch  # forward passes finished, while one is under way
     counters: EncoderCounters = field(default_factory=EncoderCounters)
     _in_flight: dict[str, asyncio.Task[EncodeResult]] = field(default_factory=dict)
 

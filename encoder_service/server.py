@@ -20,6 +20,7 @@ from shared import readiness
 from shared.encoder_id import compute_encoder_id
 from shared.model_paths import resolve_checkpoint
 from shared.pb.encoder.v1 import encoder_pb2, encoder_pb2_grpc
+from shared.progress_watch import ProgressWatch
 from shared.service_server import ServiceServer, start_service
 from shared.store import EmbeddingStore
 
@@ -32,9 +33,12 @@ class EncoderServer(ServiceServer[EncoderCore]):
         await self.core.batcher.aclose()
         await self.core.store.aclose()
 
+    def failure(self) -> str | None:
+        return self.core.progress.stalled()  # a hung device: passes that never finish
+
     def readiness_checks(self) -> dict[str, readiness.Check]:
-        # SERVING only while Redis answers: every Encode stores its result there.
-        return {"redis": self.core.store.ping}
+        # SERVING only while Redis answers (every Encode stores its result there) and the tower works.
+        return {"redis": self.core.store.ping, "vision tower": self.serves}
 
 
 def _observe_batch(batch_size: int, queue_depth: int) -> None:
@@ -53,17 +57,23 @@ def build_core(settings: EncoderSettings) -> EncoderCore:
         logger.info("warm-up forward pass took %.2fs", time.perf_counter() - started)
     encoder_id = settings.encoder_id or compute_encoder_id(checkpoint)
     store = EmbeddingStore(settings.store_config())
-    return EncoderCore(vision, encoder_id, store, _limits(settings, vision), _batcher(settings, vision))
+    progress = ProgressWatch("the vision tower", settings.stall_s)
+    batcher = _batcher(settings, vision, progress)
+    return EncoderCore(vision, encoder_id, store, _limits(settings, vision), batcher, progress)
 
 
-def _batcher(settings: EncoderSettings, vision: VisionEncoder) -> LanedBatcher[Preprocessed, torch.Tensor]:
+def _batcher(
+    settings: EncoderSettings, vision: VisionEncoder, progress: ProgressWatch
+) -> LanedBatcher[Preprocessed, torch.Tensor]:
     # One image at the processor's own max_pixels is the largest a default request makes; anything
     # costlier (a raised limit, a long video) takes the large lane (see batcher.py).
     default_patches = vision.default_max_pixels // vision.patch_pixels
 
     def timed_forward(items: list[Preprocessed]) -> list[torch.Tensor]:
-        with metrics.FORWARD_SECONDS.time():
-            return vision.encode_batch(items)
+        with metrics.FORWARD_SECONDS.time(), progress.working():
+            results = vision.encode_batch(items)
+        progress.progressed()
+        return results
 
     return LanedBatcher(
         timed_forward,
@@ -106,7 +116,7 @@ def _limits(settings: EncoderSettings, vision: VisionEncoder) -> EncoderLimits:
 
 async def start_encoder_server(settings: EncoderSettings, core: EncoderCore | None = None) -> EncoderServer:
     """Loads the vision tower (unless `core` is given), starts serving, and reports SERVING
-    while Redis answers."""
+    while Redis answers and the tower is not hung."""
     core = core or build_core(settings)
     core.batcher.start()
 

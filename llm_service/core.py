@@ -25,6 +25,7 @@ from shared import tracing
 from shared.blob import BlobRules, EmbeddingBlob
 from shared.errors import IncompatibleEncoder, InvalidEmbedding, InvalidInput, ModelNotFound, clip
 from shared.keys import encoder_id_of_key
+from shared.progress_watch import ProgressWatch
 from shared.store import EmbeddingStore
 
 
@@ -37,6 +38,7 @@ class LLMCore:
     rules: BlobRules
     max_media: int  # images and videos together, per request
     cache: BlobCache
+    progress: ProgressWatch  # tokens out of the engine, while requests are in it
     # Blob fetches under way, by key; None when one failed (its waiters then fetch on their own).
     _fetching: dict[str, asyncio.Future[EmbeddingBlob | None]] = field(default_factory=dict, init=False)
 
@@ -72,8 +74,10 @@ class LLMCore:
             with (
                 tracing.step_span("engine generate", engine_attributes) as span,
                 metrics.REQUESTS_IN_ENGINE.track_inprogress(),
+                self.progress.working(),
             ):
                 async for delta in self.engine.generate(engine_request):
+                    self.progress.progressed()
                     if submitted is not None:
                         metrics.REQUEST_STAGE_SECONDS.labels("first_token").observe(time.perf_counter() - submitted)
                         metrics.REQUESTS_WAITING.dec()
@@ -84,6 +88,10 @@ class LLMCore:
         finally:  # however it ended: failed, cancelled, or the client went away before a token
             if submitted is not None:
                 metrics.REQUESTS_WAITING.dec()
+
+    def failure(self) -> str | None:
+        """Why this service can no longer generate (its engine died, or hangs), or None."""
+        return self.engine.failure() or self.progress.stalled()
 
     async def _resolve_media(self, media: list[MediaInput]) -> list[EmbeddingBlob]:
         """Each item's validated blob, in order: cached, fetched in one round trip, or inline."""

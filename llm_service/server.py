@@ -19,14 +19,11 @@ from shared.blob import BlobRules
 from shared.encoder_id import compute_encoder_id
 from shared.model_paths import resolve_checkpoint
 from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc
+from shared.progress_watch import ProgressWatch
 from shared.service_server import ServiceServer, start_service
 from shared.store import EmbeddingStore
 
 SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
-ENGINE_POLL_S = 0.2
-# When the engine process has died, in-flight calls fail at once (503); this only lets their
-# errors reach the clients before the service exits (code 1) to be restarted.
-ENGINE_FAILURE_GRACE_S = 2.0
 
 
 class LLMServer(ServiceServer[LLMCore]):
@@ -35,20 +32,12 @@ class LLMServer(ServiceServer[LLMCore]):
         await self.core.store.aclose()
         await asyncio.to_thread(self.core.engine.close)
 
-    async def engine_failure(self) -> str:
-        """Returns (why) once the engine can no longer generate. vLLM marks a dead EngineCore
-        as soon as its process exits, so polling often costs little and notices it quickly."""
-        while (failure := self.core.engine.failure()) is None:
-            await asyncio.sleep(ENGINE_POLL_S)
-        return failure
+    def failure(self) -> str | None:
+        return self.core.failure()  # the engine died or hangs
 
     def readiness_checks(self) -> dict[str, readiness.Check]:
         """SERVING needs both: blobs come from Redis, tokens from the engine."""
-
-        async def engine_alive() -> bool:
-            return self.core.engine.failure() is None
-
-        return {"redis": self.core.store.ping, "engine": engine_alive}
+        return {"redis": self.core.store.ping, "engine": self.serves}
 
 
 def build_core(settings: LLMSettings) -> LLMCore:
@@ -70,6 +59,7 @@ def build_core(settings: LLMSettings) -> LLMCore:
         rules,
         settings.max_media_per_request,
         cache,
+        ProgressWatch("the engine", settings.stall_s),
     )
 
 

@@ -7,6 +7,7 @@ on stop and what readiness needs; binding, serving, readiness and stopping are w
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -19,6 +20,10 @@ from shared.settings import GrpcServerSettings
 
 CoreT = TypeVar("CoreT")
 ServerT = TypeVar("ServerT", bound="ServiceServer")  # type: ignore[type-arg]  # any core
+FAILURE_POLL_S = 0.2
+# After a failure, in-flight calls get this long to end (those the failure already failed to send
+# their errors) before the service exits to be restarted.
+FAILURE_GRACE_S = 2.0
 
 
 @dataclass
@@ -42,6 +47,22 @@ class ServiceServer(Generic[CoreT]):
     def readiness_checks(self) -> dict[str, readiness.Check]:
         """What must answer for the service to report SERVING (shared/readiness.py)."""
         raise NotImplementedError
+
+    def failure(self) -> str | None:
+        """Why the service can no longer serve at all (its engine process died, its compute
+        hangs), or None. Such a service exits non-zero to be restarted (`until_failed`)."""
+        return None
+
+    async def until_failed(self) -> str:
+        """Returns `failure()` once there is one. Each check is a few attribute reads, so polling
+        often costs little and notices a failure quickly."""
+        while (reason := self.failure()) is None:
+            await asyncio.sleep(FAILURE_POLL_S)
+        return reason
+
+    async def serves(self) -> bool:
+        """A readiness check: passes while there is no `failure()`."""
+        return self.failure() is None
 
 
 async def start_service(

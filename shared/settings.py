@@ -33,6 +33,13 @@ class GrpcServerSettings(BaseSettings):
     host: str = Field("0.0.0.0", description="Address the gRPC server binds.")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
     grace_s: float = Field(10.0, ge=0, description="Seconds in-flight RPCs get to finish on SIGTERM.")
+    stall_s: float = Field(
+        600.0,
+        ge=0,
+        description="Seconds the service's compute (the encoder's forward pass, the LLM's engine) may go without "
+        "progress while it has work before it counts as hung: the service then exits non-zero to be restarted "
+        "(shared/progress_watch.py); 0 turns the watch off.",
+    )
     grpc_max_message_bytes: int = Field(
         DEFAULT_GRPC_MAX_MESSAGE_BYTES, gt=0, description="Largest gRPC message accepted or sent."
     )

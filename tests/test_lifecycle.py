@@ -5,6 +5,7 @@ One stack for the module; each test starts with every process up and SERVING."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -20,11 +21,19 @@ import httpx
 import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from PIL import Image
 
+from tests.images import data_url
 from tests.process_stack import ProcessStack, process_stack
 
-# Tiny checkpoints on vLLM: a small KV cache, and eager mode so a relaunch starts in seconds.
-VLLM_ENV = {"LLM_ENGINE": "vllm", "LLM_KV_CACHE_GIB": "1", "LLM_MAX_MODEL_LEN": "2048", "LLM_ENFORCE_EAGER": "true"}
+# Tiny checkpoints on vLLM: a small KV cache, and eager mode so a relaunch starts in seconds. An
+# engine step of these takes milliseconds: 6 s without a token means a hung engine. The encoder's
+# passes over the images here take milliseconds too; its limit is low enough for a long video to
+# pass it (test_an_encoder_pass_past_its_stall_limit...).
+STALL_S = 6.0
+ENCODER_STALL_S = 1.0
+VLLM_ENV = {"LLM_ENGINE": "vllm", "LLM_KV_CACHE_GIB": "1", "LLM_MAX_MODEL_LEN": "2048", "LLM_ENFORCE_EAGER": "true",
+            "LLM_STALL_S": str(STALL_S), "ENCODER_STALL_S": str(ENCODER_STALL_S)}  # fmt: skip
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -109,6 +118,65 @@ def test_a_killed_engine_core_turns_the_service_not_serving_503s_exits_and_is_re
     stack.wait_healthy()
     again = chat(stack, "ft-a")
     assert again.status_code == 200, again.text
+
+
+def test_a_frozen_engine_core_turns_the_service_not_serving_fails_its_requests_exits_and_is_relaunched(
+    stack: ProcessStack,
+) -> None:
+    """A hung GPU leaves EngineCore alive and silent; SIGSTOP makes it so here. Before the progress
+    watch (shared/progress_watch.py) the service stayed SERVING and every request waited forever."""
+    service = stack.service("ft-a")
+    old = service.process
+    assert old is not None
+    core = stack.engine_core_pid("ft-a")
+    watch = HealthWatch(service.target)
+    try:
+        wait_for(lambda: watch.first(SERVING) is not None, 10, "the watch's first SERVING", stack)
+        os.kill(core, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        waiting = chat(stack, "ft-a")  # reaches the frozen engine and waits for a token
+        answered_after = time.monotonic() - frozen_at
+        assert waiting.status_code == 503, waiting.text
+        print(f"503 {answered_after:.1f}s after the freeze: {waiting.json()['error']['message']}")
+        assert answered_after < STALL_S + 10, f"the request waited {answered_after:.1f}s"
+        wait_for(lambda: watch.first(NOT_SERVING) is not None, 5, "NOT_SERVING on the watch", stack)
+        assert old.wait(timeout=30) == 1, "a service whose engine hangs must exit non-zero, to be restarted"
+        assert "made no progress" in (stack.log_dir / "ft-a.log").read_text()
+    finally:
+        watch.close()
+        if alive(core):
+            os.kill(core, signal.SIGKILL)
+    wait_for(lambda: service.process is not old and stack.alive("ft-a"), 30, "the relaunch", stack)
+    stack.wait_healthy()
+    again = chat(stack, "ft-a")
+    assert again.status_code == 200, again.text
+
+
+def _solid_png(side: int, color: tuple[int, int, int]) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (side, side), color).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_an_encoder_pass_past_its_stall_limit_fails_its_call_exits_and_is_relaunched(stack: ProcessStack) -> None:
+    """A hung GPU leaves the tower's pass running forever, which no CPU does on demand; a 64-frame
+    video, a pass of ~4.5 s on 2 cores, stands in for it against the 1 s limit. Before the
+    progress watch the encoder stayed SERVING whatever its tower did."""
+    service = stack.service("encoder")
+    old = service.process
+    assert old is not None
+    frames = [data_url(_solid_png(840, (index * 3, 40, 90))) for index in range(64)]
+    started = time.monotonic()
+    reply = httpx.post(f"{stack.base_url}/v1/videos/encode", json={"frames": frames}, timeout=60)
+    assert reply.status_code == 503, reply.text
+    assert reply.json()["error"]["code"] == "unavailable"
+    print(f"503 {time.monotonic() - started:.1f}s after the request: {reply.json()['error']['message']}")
+    assert old.wait(timeout=30) == 1, "an encoder whose tower hangs must exit non-zero, to be restarted"
+    assert "the vision tower made no progress" in (stack.log_dir / "encoder.log").read_text()
+    wait_for(lambda: service.process is not old and stack.alive("encoder"), 30, "the relaunch", stack)
+    stack.wait_healthy()
+    small = httpx.post(f"{stack.base_url}/v1/images/encode", json={"image_url": frames[0]}, timeout=60)
+    assert small.status_code == 200, small.text
 
 
 def test_a_killed_llm_service_takes_its_engine_processes_with_it(stack: ProcessStack) -> None:
