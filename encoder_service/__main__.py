@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 from encoder_service.allocator import retain_freed_memory
@@ -30,13 +29,11 @@ async def main() -> int:
     logging.getLogger(__name__).info("encoder %s ready on port %d", server.core.encoder_id, server.port)
     freeze_startup_heap()  # tower loaded and warmed up, server up: what exists now lives as long as the process
     failure = await serve_until_signal(server.running, settings.grace_s, server.until_failed(), FAILURE_GRACE_S)
-    if failure is not None:  # the hung pass holds a worker thread that will never return
-        logging.getLogger(__name__).error("exiting without waiting for the hung forward pass")
-        os._exit(1)
-    await server.core.batcher.aclose()
-    await server.core.store.aclose()
     if tracer_provider is not None:
         tracer_provider.shutdown()  # exports the spans still queued
+    if failure is not None:
+        await server.exit_failed()
+    await server.release()
     return 0
 
 

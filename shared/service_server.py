@@ -8,9 +8,11 @@ on stop and what readiness needs; binding, serving, readiness and stopping are w
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, NoReturn, TypeVar
 
 import grpc
 
@@ -24,6 +26,8 @@ FAILURE_POLL_S = 0.2
 # After a failure, in-flight calls get this long to end (those the failure already failed to send
 # their errors) before the service exits to be restarted.
 FAILURE_GRACE_S = 2.0
+FAILURE_RELEASE_S = 10.0
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,6 +63,18 @@ class ServiceServer(Generic[CoreT]):
         while (reason := self.failure()) is None:
             await asyncio.sleep(FAILURE_POLL_S)
         return reason
+
+    async def exit_failed(self) -> NoReturn:
+        """Ends the process with code 1 after a failure, once what can be released is released
+        (for up to FAILURE_RELEASE_S). A plain exit could wait forever: a hung compute holds a
+        worker thread, which the interpreter joins at exit. Engine processes die with this one
+        (shared/process_tree.py)."""
+        try:
+            await asyncio.wait_for(self.release(), FAILURE_RELEASE_S)
+        except Exception as error:  # TimeoutError included: a hung compute may never let go
+            logger.warning("exiting with resources not released: %s", type(error).__name__)
+        logging.shutdown()  # flushes the log handlers, which os._exit would not
+        os._exit(1)
 
     async def serves(self) -> bool:
         """A readiness check: passes while there is no `failure()`."""
