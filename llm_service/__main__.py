@@ -28,10 +28,12 @@ async def main() -> int:
     logging.getLogger(__name__).info("model %s ready on port %d", settings.model_name, server.port)
     freeze_startup_heap()  # engine loaded, server up: what exists now lives as long as the process
     failure = await serve_until_signal(server.running, settings.grace_s, server.until_failed(), FAILURE_GRACE_S)
-    await server.stop()
     if tracer_provider is not None:
         tracer_provider.shutdown()  # exports the spans still queued
-    return 0 if failure is None else 1
+    if failure is not None:
+        await server.exit_failed()
+    await server.release()
+    return 0
 
 
 if __name__ == "__main__":

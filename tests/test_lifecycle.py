@@ -141,7 +141,8 @@ def test_a_frozen_engine_core_turns_the_service_not_serving_fails_its_requests_e
         assert answered_after < STALL_S + 10, f"the request waited {answered_after:.1f}s"
         wait_for(lambda: watch.first(NOT_SERVING) is not None, 5, "NOT_SERVING on the watch", stack)
         assert old.wait(timeout=30) == 1, "a service whose engine hangs must exit non-zero, to be restarted"
-        assert "made no progress" in (stack.log_dir / "ft-a.log").read_text()
+        assert "the engine made no progress" in (stack.log_dir / "ft-a.log").read_text()
+        wait_for(lambda: not alive(core), 5, "the end of the frozen EngineCore", stack)  # no stopped orphan
     finally:
         watch.close()
         if alive(core):
