@@ -74,10 +74,9 @@ class LLMCore:
             with (
                 tracing.step_span("engine generate", engine_attributes) as span,
                 metrics.REQUESTS_IN_ENGINE.track_inprogress(),
-                self.progress.working(),
             ):
-                async for delta in self.engine.generate(engine_request):
-                    self.progress.progressed()
+                stream = self.engine.generate(engine_request)
+                while (delta := await self._next_delta(stream)) is not None:
                     if submitted is not None:
                         metrics.REQUEST_STAGE_SECONDS.labels("first_token").observe(time.perf_counter() - submitted)
                         metrics.REQUESTS_WAITING.dec()
@@ -88,6 +87,18 @@ class LLMCore:
         finally:  # however it ended: failed, cancelled, or the client went away before a token
             if submitted is not None:
                 metrics.REQUESTS_WAITING.dec()
+
+    async def _next_delta(self, stream: AsyncIterator[GenerationDelta]) -> GenerationDelta | None:
+        """The engine's next delta, or None at its end. Only this wait is the engine's work for
+        the hung-engine watch (shared/progress_watch.py): while the request is held at `yield` by
+        a consumer slow to read, the engine owes it nothing."""
+        with self.progress.working():
+            try:
+                delta = await anext(stream)
+            except StopAsyncIteration:
+                return None
+        self.progress.progressed()
+        return delta
 
     def failure(self) -> str | None:
         """Why this service can no longer generate (its engine died, or hangs), or None."""

@@ -23,6 +23,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
+from shared.sdk import LLMClient, Message, Sampling
 from tests.images import data_url
 from tests.process_stack import ProcessStack, process_stack
 
@@ -157,6 +158,23 @@ def _solid_png(side: int, color: tuple[int, int, int]) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (side, side), color).save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def test_a_client_that_stops_reading_is_no_hung_engine(stack: ProcessStack) -> None:
+    """A stream whose client stops reading blocks the service's writes (gRPC flow control) while
+    the engine has long finished its part. Counted as the engine's wait, that looked like a hung
+    engine after STALL_S: any caller could restart the service by not reading."""
+    service = stack.service("ft-a")
+    process = service.process
+    sampling = Sampling(max_tokens=1500, temperature=1.0, seed=3, logprobs=True, top_logprobs=20)
+    with LLMClient(service.target, timeout_s=120) as client:
+        chunks = client.generate("ft-a", [Message("user", ["talk"])], sampling)
+        first = next(chunks)
+        time.sleep(STALL_S + 4)  # reading nothing; ~0.5 KB a token fills the stream's window
+        assert service.process is process and process is not None and process.poll() is None
+        assert stack.grpc_health("ft-a") == "SERVING"
+        rest = list(chunks)
+    assert rest[-1].finish_reason is not None and 1 + len(rest) > 100, (first, len(rest))
 
 
 def test_an_encoder_pass_past_its_stall_limit_fails_its_call_exits_and_is_relaunched(stack: ProcessStack) -> None:
