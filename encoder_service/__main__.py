@@ -11,9 +11,7 @@ from encoder_service.settings import EncoderSettings
 from shared import event_loop
 from shared.gc_heap import freeze_startup_heap
 from shared.grpc_metrics import serve_metrics
-from shared.grpc_server import serve_until_signal
 from shared.logging_setup import configure_logging
-from shared.service_server import FAILURE_GRACE_S
 from shared.tracing import TracingSettings, init_tracing
 
 
@@ -28,12 +26,7 @@ async def main() -> int:
     server = await start_encoder_server(settings)
     logging.getLogger(__name__).info("encoder %s ready on port %d", server.core.encoder_id, server.port)
     freeze_startup_heap()  # tower loaded and warmed up, server up: what exists now lives as long as the process
-    failure = await serve_until_signal(server.running, settings.grace_s, server.until_failed(), FAILURE_GRACE_S)
-    if tracer_provider is not None:
-        tracer_provider.shutdown()  # exports the spans still queued
-    if failure is not None:
-        await server.exit_failed()
-    await server.release()
+    await server.serve_until_stopped(settings.grace_s, tracer_provider)
     return 0
 
 

@@ -100,10 +100,6 @@ class LLMCore:
         self.progress.progressed()
         return delta
 
-    def failure(self) -> str | None:
-        """Why this service can no longer generate (its engine died, or hangs), or None."""
-        return self.engine.failure() or self.progress.stalled()
-
     async def _resolve_media(self, media: list[MediaInput]) -> list[EmbeddingBlob]:
         """Each item's validated blob, in order: cached, fetched in one round trip, or inline."""
         if len(media) > self.max_media:

@@ -33,7 +33,7 @@ class LLMServer(ServiceServer[LLMCore]):
         await asyncio.to_thread(self.core.engine.close)
 
     def failure(self) -> str | None:
-        return self.core.failure()  # the engine died or hangs
+        return self.core.engine.failure() or self.core.progress.stalled()  # the engine died, or hangs
 
     def readiness_checks(self) -> dict[str, readiness.Check]:
         """SERVING needs both: blobs come from Redis, tokens from the engine."""

@@ -15,15 +15,16 @@ from dataclasses import dataclass
 from typing import Generic, NoReturn, TypeVar
 
 import grpc
+from opentelemetry.sdk.trace import TracerProvider
 
 from shared import readiness
-from shared.grpc_server import RunningServer, start_server
+from shared.grpc_server import RunningServer, serve_until_signal, start_server
 from shared.settings import GrpcServerSettings
 
 CoreT = TypeVar("CoreT")
 ServerT = TypeVar("ServerT", bound="ServiceServer")  # type: ignore[type-arg]  # any core
 FAILURE_POLL_S = 0.2
-# After a failure, in-flight calls get this long to end (those the failure already failed to send
+# After a failure, calls in flight get this long to end (those the failure already failed, to send
 # their errors) before the service exits to be restarted.
 FAILURE_GRACE_S = 2.0
 FAILURE_RELEASE_S = 10.0
@@ -63,6 +64,17 @@ class ServiceServer(Generic[CoreT]):
         while (reason := self.failure()) is None:
             await asyncio.sleep(FAILURE_POLL_S)
         return reason
+
+    async def serve_until_stopped(self, grace_s: float, tracer_provider: TracerProvider | None) -> None:
+        """Serves until SIGTERM (calls in flight get `grace_s`, then resources are released) or
+        until a `failure()` (FAILURE_GRACE_S, then `exit_failed`). Spans still queued are
+        exported first either way."""
+        failure = await serve_until_signal(self.running, grace_s, self.until_failed(), FAILURE_GRACE_S)
+        if tracer_provider is not None:
+            tracer_provider.shutdown()
+        if failure is not None:
+            await self.exit_failed()
+        await self.release()
 
     async def exit_failed(self) -> NoReturn:
         """Ends the process with code 1 after a failure, once what can be released is released
