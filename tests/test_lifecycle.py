@@ -23,6 +23,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
+from shared.errors import ServiceError
 from shared.sdk import LLMClient, Message, Sampling
 from tests.images import data_url
 from tests.process_stack import ProcessStack, process_stack
@@ -152,6 +153,34 @@ def test_a_frozen_engine_core_turns_the_service_not_serving_fails_its_requests_e
     stack.wait_healthy()
     again = chat(stack, "ft-a")
     assert again.status_code == 200, again.text
+
+
+def test_a_frozen_engine_is_caught_though_every_client_gives_up_before_the_limit(stack: ProcessStack) -> None:
+    """Clients whose deadline is shorter than STALL_S (the gateway's 300 s against the default
+    600 s) leave a hung engine before the limit. Their waits add up: before, each new request
+    started the count afresh and a hung engine behind such traffic was never caught."""
+    service = stack.service("ft-b")
+    old = service.process
+    assert old is not None
+    core = stack.engine_core_pid("ft-b")
+    try:
+        os.kill(core, signal.SIGSTOP)
+        # gRPC calls with a 2.5 s deadline, which the service cancels on time: waits each well
+        # under STALL_S, with idle gaps between them.
+        with LLMClient(service.target, timeout_s=2.5) as client:
+            for _ in range(6):
+                with pytest.raises(ServiceError):
+                    list(client.generate("ft-b", [Message("user", ["hi"])], Sampling(max_tokens=4)))
+                if old.poll() is not None:
+                    break
+                time.sleep(1)
+        assert old.wait(timeout=30) == 1, "the hung engine went unnoticed"
+    finally:
+        if alive(core):
+            os.kill(core, signal.SIGKILL)
+    wait_for(lambda: service.process is not old and stack.alive("ft-b"), 30, "the relaunch", stack)
+    stack.wait_healthy()
+    assert chat(stack, "ft-b").status_code == 200
 
 
 def _solid_png(side: int, color: tuple[int, int, int]) -> bytes:

@@ -27,7 +27,7 @@ def test_an_idle_compute_is_never_stalled_and_work_after_a_long_idle_starts_the_
         assert watch.stalled() is None
         clock.now += 0.2
         reason = watch.stalled()
-    assert reason is not None and "the engine made no progress for 5.1s with 1 piece(s) of work" in reason
+    assert reason is not None and "the engine made no progress for 5.1s of work in hand (1 piece(s) now" in reason
     assert watch.stalled() is None  # the work left: nothing is owed
 
 
@@ -60,3 +60,20 @@ def test_until_stalled_returns_the_reason_once_the_limit_passes() -> None:
             return await asyncio.wait_for(watch.until_stalled(0.01), timeout=5)
 
     assert "made no progress" in asyncio.run(hang())
+
+
+def test_waits_that_clients_gave_up_add_up_until_progress_comes() -> None:
+    """Each client leaves after 2 s (its deadline) without a token; idle gaps between them do not
+    count, but their waits do: a hung engine behind sparse traffic is caught all the same."""
+    clock = Clock()
+    watch = ProgressWatch("the engine", 5, clock)
+    for _ in range(2):
+        with watch.working():
+            clock.now += 2
+            assert watch.stalled() is None
+        clock.now += 100
+    with watch.working():
+        clock.now += 1.5
+        assert watch.stalled() is not None  # 5.5 s of waiting in all
+        watch.progressed()
+        assert watch.stalled() is None
