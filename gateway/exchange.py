@@ -11,6 +11,7 @@ Here, for each exchange:
 - the request id is in force for every log line written while serving it, the request's trace
   span (shared.tracing) for every call made for it, and one summary line (gateway.summary) is
   written when the exchange ends;
+- a client that hangs up before its response ended stops the serving of it (gateway.client_watch);
 - cleanups registered with `on_exchange_end` (an admission slot, an open generation) run once
   when the exchange ends: response sent, failed, or never started because the client left.
 """
@@ -29,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import metrics, summary
 from gateway.access import ApiKeys
+from gateway.client_watch import ClientWatch
 from gateway.errors import error_response
 from shared import tracing
 from shared.errors import Internal, ServiceError, TooLarge
@@ -57,6 +59,7 @@ class _Response:
         self._request_id = request_id.encode()
         self.status: int | None = None
         self.head_at: float | None = None
+        self.ended = False  # the last message of the response went out
         self._closed = False
 
     async def send(self, message: Message) -> None:
@@ -66,6 +69,8 @@ class _Response:
             self.status, self.head_at = message["status"], time.perf_counter()
             headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
             message = {**message, "headers": [*headers, (b"x-request-id", self._request_id)]}
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.ended = True
         await self._send(message)
 
     async def answer(self, error: ServiceError, scope: Scope, receive: Receive) -> None:
@@ -101,7 +106,10 @@ class ExchangeMiddleware:
         ):
             try:
                 self._admit(request)
-                await self.app(scope, self._limited(receive, response, scope), response.send)
+                async with ClientWatch(self._limited(receive, response, scope), lambda: response.ended) as watch:
+                    await self.app(scope, watch.receive, response.send)
+                if watch.client_left:
+                    logger.info("client went away from %s; stopped serving it", scope["path"])
             except ClientDisconnect:
                 logger.info("client went away from %s", scope["path"])
             except ServiceError as error:

@@ -187,6 +187,46 @@ def test_client_disconnect_mid_stream_frees_the_engine(stack: ProcessStack) -> N
     assert reply.status_code == 200, reply.text
 
 
+def wait_until(condition: Any, within_s: float, failure: str) -> None:
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.1)
+
+
+def test_clients_that_leave_before_any_output_cancel_their_generations(stack: ProcessStack) -> None:
+    """A client may give up before the response head: a non-streaming request still generating,
+    or a stream still waiting for its first token. Nothing reads that output any more, so its
+    generations must stop, and its admission slot be freed, when the client leaves."""
+
+    def in_flight() -> float:
+        return stack.metric("ft-a", "grpc_server_in_flight", grpc_method=GENERATE)
+
+    def gone() -> float:
+        return stack.metric("gateway", "gateway_http_requests_total", route="/v1/chat/completions", status="499")
+
+    def give_up_after(timeout_s: float, body: dict[str, Any]) -> None:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=timeout_s)
+
+    assert in_flight() == 0
+    gone_before, gateway_slots_before = gone(), stack.metric("gateway", "gateway_chat_in_flight")
+    # The reference engine runs one generation at a time: four choices of ~1,000 tokens keep it
+    # busy for well over ten seconds, and a later request waits behind them for its first token.
+    busy = chat_body("ft-a", LONG_PROMPT, max_tokens=2000) | {"n": 4}
+    with ThreadPoolExecutor(1) as pool:
+        busy_client = pool.submit(give_up_after, 6.0, busy)
+        wait_until(lambda: in_flight() == 4, 5, "the four choices never reached the LLM service")
+        give_up_after(1.0, chat_body("ft-a", "hello", max_tokens=8, stream=True))
+        wait_until(lambda: in_flight() == 4, 3, "a stream whose client left before its first token still waits")
+        busy_client.result()
+    wait_until(lambda: in_flight() == 0, 3, "a non-streaming request whose client left still generates")
+    assert gone() == gone_before + 2
+    assert stack.metric("gateway", "gateway_chat_in_flight") == gateway_slots_before
+    reply = chat(stack, chat_body("ft-a", "hi", max_tokens=4))
+    assert reply.status_code == 200, reply.text
+
+
 # --- Redis restarted under traffic --------------------------------------------------------------
 
 
