@@ -238,6 +238,25 @@ def test_a_killed_llm_service_takes_its_engine_processes_with_it(stack: ProcessS
     print(f"engine processes gone {gone_after:.2f}s after the service was killed")
 
 
+def test_a_service_stopped_while_its_engine_starts_leaves_no_engine_process(stack: ProcessStack) -> None:
+    """A SIGTERM can come at any time, also in the seconds an engine takes to start. vLLM's
+    EngineCore, spawned first, then waits for a start-up handshake with the service, and without
+    the service it waited forever, holding its memory."""
+    service = stack.service("ft-b")
+    service.restart()  # the launcher's own relaunch; no wait for SERVING
+
+    def spawned() -> list[int]:  # EngineCore, before and after vLLM retitles it
+        children = stack.children("ft-b").items()
+        return [pid for pid, command in children if "spawn_main" in command or "EngineCore" in command]
+
+    wait_for(spawned, 60, "ft-b's EngineCore", stack)
+    (core,) = spawned()
+    stack.send("ft-b", signal.SIGTERM)
+    stack.wait_exit("ft-b", 30)
+    gone_after = wait_for(lambda: not alive(core), 30, f"the end of ft-b's EngineCore {core}", stack)
+    print(f"EngineCore gone {gone_after:.2f}s after its service")
+
+
 def test_a_redis_that_stalls_for_a_moment_leaves_readiness_alone(stack: ProcessStack) -> None:
     """Redis answering late once or twice (a busy node) is no outage: single failed PINGs used to
     turn a service NOT_SERVING, and with the encoder the gateway's /readyz, on a loaded box."""

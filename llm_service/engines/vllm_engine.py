@@ -105,11 +105,11 @@ class VLLMEngine(Engine):
         try:
             # AsyncLLM.from_engine_args, with an executor that ties EngineCore to this process.
             vllm_config = args.create_engine_config()
-            executor_class = dying_with_service(vllm_config)
-            engine = AsyncLLM(
-                vllm_config=vllm_config, executor_class=executor_class, log_requests=args.enable_log_requests,
-                log_stats=not args.disable_log_stats,
-            )  # fmt: skip
+            with dying_with_service(vllm_config) as executor_class:
+                engine = AsyncLLM(
+                    vllm_config=vllm_config, executor_class=executor_class, log_requests=args.enable_log_requests,
+                    log_stats=not args.disable_log_stats,
+                )  # fmt: skip
         finally:  # every engine process has read it by now (or none will start)
             if args.logging_config is not None and args.logging_config.pylogging_config_file:
                 Path(args.logging_config.pylogging_config_file).unlink(missing_ok=True)
