@@ -19,6 +19,7 @@ growing pause. One that exits 0 (it drained after SIGTERM: someone meant to stop
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -321,14 +322,25 @@ def start(config: StackConfig, stack: ExitStack) -> RunningStack:
     return RunningStack(base_url, encoder, llms, gateway, supervisor)
 
 
-def wait_for_stop_signal() -> None:
-    """Returns on SIGINT or SIGTERM. Handled, not blocked: relaunched children would inherit a
-    blocked mask and could not be stopped by SIGTERM any more."""
-    received: list[int] = []
+def _interrupt(number: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(number).name)
+
+
+def stop_on_signals() -> None:
+    """SIGINT and SIGTERM raise KeyboardInterrupt from here on, so a stop during the minutes of
+    start-up unwinds it too, stopping (draining) every service started so far. Before, SIGTERM
+    killed the launcher at once and its services ran on, and SIGINT was ignored where the shell
+    that started the launcher in the background ignored it. Handled, not blocked: relaunched
+    children would inherit a blocked mask and could not be stopped by SIGTERM any more."""
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda number, frame: received.append(number))
-    while not received:
-        time.sleep(0.2)
+        signal.signal(sig, _interrupt)
+
+
+def wait_for_stop_signal() -> None:
+    """Returns on SIGINT or SIGTERM (stop_on_signals)."""
+    with contextlib.suppress(KeyboardInterrupt):
+        while True:
+            time.sleep(3600)
 
 
 def parse_args() -> argparse.Namespace:
@@ -360,6 +372,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    stop_on_signals()
     args = parse_args()
     if args.command == "serve":
         ports = Ports(encoder=50051, llm=50061, gateway=int(os.environ.get("GATEWAY_PORT", "8000")), metrics=9090)
@@ -371,7 +384,7 @@ def main() -> None:
     models = list(args.models)
     print(f"starting the encoder, {len(models)} LLM services ({', '.join(models)}) and the gateway", flush=True)
     print(f"service logs: {args.log_dir}/<service>.log", flush=True)
-    with ExitStack() as stack:
+    with contextlib.suppress(KeyboardInterrupt), ExitStack() as stack:  # a stop before ready: services stopped
         started = time.monotonic()
         running = start(config, stack)
         print(f"stack ready in {time.monotonic() - started:.0f} s", flush=True)

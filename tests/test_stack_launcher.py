@@ -5,6 +5,7 @@ services are ones no outgoing connection can take."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from scripts.ports import ephemeral_start, free_port
+from tests.harness import RedisServer
 
 # Starts processes of its own (see the tiers in tests/conftest.py).
 pytestmark = pytest.mark.integration
@@ -74,3 +76,43 @@ def test_free_ports_never_come_from_the_ephemeral_range_outgoing_connections_use
     assert max(picks) < start and len(set(picks)) == len(picks)
     with socket.socket() as sock:
         sock.bind(("", picks[-1]))
+
+
+def _children(pid: int) -> list[int]:
+    tasks = Path(f"/proc/{pid}/task")
+    found: list[int] = []
+    for task in tasks.iterdir() if tasks.exists() else []:
+        children = task / "children"
+        if children.exists():
+            found += [int(child) for child in children.read_text().split()]
+    return found
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_during_start_up_stops_every_service_started(
+    stop: signal.Signals, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Minutes pass before the stack is ready on a CPU; a person's Ctrl-C, or a supervisor's
+    SIGTERM, in that time must stop the services too, not only the launcher. SIGINT is ignored
+    in a process a non-interactive shell starts in the background: the launcher is started here
+    with it ignored, as such a shell would."""
+    launcher = subprocess.Popen(
+        [sys.executable, "scripts/stack.py", "demo", "--tiny", "--redis-url", redis_server.url,
+         "--checkpoints-dir", str(tmp_path / "checkpoints"), "--log-dir", str(tmp_path / "logs")],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while len(services := _children(launcher.pid)) < 4:  # encoder, ft-a, ft-b, gateway
+            assert launcher.poll() is None and time.monotonic() < deadline, "the stack never started its services"
+            time.sleep(0.2)
+        launcher.send_signal(stop)
+        output, _ = launcher.communicate(timeout=90)
+    finally:
+        launcher.kill()
+    assert "stack ready" not in output, "the stop came too late to test a stop during start-up"
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in services) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in services if _alive(pid)], f"services outlived their launcher:\n{output[-2000:]}"
