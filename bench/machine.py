@@ -24,6 +24,24 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+# The CPU's vector extensions that decide vLLM's CPU speed: its bf16 kernels need AVX-512 (BF16,
+# AMX); on an AVX2-only host the same tiny model decodes several times slower, which shrinks every
+# fixed per-request cost relative to the engine's work. Runs on hosts that differ here are not comparable.
+VECTOR_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def _vector_flags() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    present = set(line.split(":", 1)[1].split())
+                    return [flag for flag in VECTOR_FLAGS if flag in present]
+    except OSError:
+        pass
+    return []
+
+
 def _total_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -53,6 +71,7 @@ def machine_info() -> dict[str, Any]:
         "hostname": platform.node(),
         "nproc": os.cpu_count(),
         "cpu_model": _cpu_model(),
+        "cpu_vector_flags": _vector_flags(),
         "ram_gib": round(_total_ram_bytes() / 2**30, 1),
         "gpu": _gpu(),
         "load_average_at_start": [round(v, 2) for v in os.getloadavg()],

@@ -77,6 +77,12 @@ def _scenario_markdown(result: ScenarioResult) -> list[str]:
     return lines + [""]
 
 
+def _vector_flags(machine: dict[str, Any]) -> str:
+    """The CPU's vector extensions (bench.machine.VECTOR_FLAGS); results before they were recorded say so."""
+    flags = machine.get("cpu_vector_flags")
+    return ", ".join(flags) if flags else "vector extensions not recorded" if flags is None else "no AVX2"
+
+
 def markdown(results: list[ScenarioResult], header: dict[str, Any]) -> str:
     machine = header["machine"]
     packages = ", ".join(f"{k} {v}" for k, v in machine["packages"].items())
@@ -84,7 +90,7 @@ def markdown(results: list[ScenarioResult], header: dict[str, Any]) -> str:
         "# Benchmark results", "",
         f"- Command: `{header['command']}`",
         f"- Started: {header['started']}, took {header['duration_s']:.0f} s",
-        f"- Machine: {machine['nproc']} CPUs ({machine['cpu_model']}), {machine['ram_gib']} GiB RAM, GPU: {machine['gpu']}; "
+        f"- Machine: {machine['nproc']} CPUs ({machine['cpu_model']}; {_vector_flags(machine)}), {machine['ram_gib']} GiB RAM, GPU: {machine['gpu']}; "
         f"load average at start {machine['load_average_at_start']}, at end {header.get('load_average_at_end', 'n/a')}",
         f"- Software: Python {machine['python']}, {packages}",
         f"- Options: {header['options']}", "",
