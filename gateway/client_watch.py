@@ -15,7 +15,6 @@ a disconnect) wait for the watcher's news, so the connection keeps exactly one r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from types import TracebackType
 
@@ -50,11 +49,10 @@ class ClientWatch:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> bool:
-        self._active = False  # first, before any await: no cancel may land outside the block
+        self._active = False  # first: no cancel may land outside the block
         if self._watcher is not None:
+            # Not awaited: an await here could swallow a cancellation of the serving task itself.
             self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
         if not self.client_left or self._serving is None:
             return False
         # Ours to absorb only if nobody else cancelled the task meanwhile (asyncio.timeout's rule).
