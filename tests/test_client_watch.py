@@ -36,12 +36,18 @@ async def serve(watch: ClientWatch, started: asyncio.Event) -> str:
     return "stopped by the client"
 
 
-async def test_a_client_leaving_mid_work_stops_the_work_quietly() -> None:
+async def serving_started() -> tuple[Connection, ClientWatch, asyncio.Task[str]]:
+    """An exchange whose body was read, and whose app is at work."""
     connection, started = Connection(), asyncio.Event()
     await connection.inbox.put(BODY)
     watch = ClientWatch(connection.receive, lambda: connection.response_ended)
     serving = asyncio.create_task(serve(watch, started))
     await started.wait()
+    return connection, watch, serving
+
+
+async def test_a_client_leaving_mid_work_stops_the_work_quietly() -> None:
+    connection, watch, serving = await serving_started()
     await connection.inbox.put(DISCONNECT)
     assert await asyncio.wait_for(serving, 2) == "stopped by the client"
     assert watch.client_left
@@ -49,11 +55,7 @@ async def test_a_client_leaving_mid_work_stops_the_work_quietly() -> None:
 
 
 async def test_a_cancellation_from_elsewhere_is_never_absorbed() -> None:
-    connection, started = Connection(), asyncio.Event()
-    await connection.inbox.put(BODY)
-    watch = ClientWatch(connection.receive, lambda: connection.response_ended)
-    serving = asyncio.create_task(serve(watch, started))
-    await started.wait()
+    connection, watch, serving = await serving_started()
     await connection.inbox.put(DISCONNECT)
     await asyncio.sleep(0)  # the watcher runs, and cancels: the serving task has not run since
     assert watch.client_left
@@ -64,11 +66,7 @@ async def test_a_cancellation_from_elsewhere_is_never_absorbed() -> None:
 
 async def test_the_end_of_a_response_is_no_client_leaving() -> None:
     """uvicorn answers `receive` with http.disconnect once the response is complete too."""
-    connection, started = Connection(), asyncio.Event()
-    await connection.inbox.put(BODY)
-    watch = ClientWatch(connection.receive, lambda: connection.response_ended)
-    serving = asyncio.create_task(serve(watch, started))
-    await started.wait()
+    connection, watch, serving = await serving_started()
     connection.response_ended = True
     await connection.inbox.put(DISCONNECT)
     await asyncio.sleep(0.1)
