@@ -142,6 +142,13 @@ def test_chat_naming_an_evicted_key_gets_a_clear_404(stack: ProcessStack) -> Non
     assert error["code"] == "embedding_not_found" and key in error["message"]
 
 
+def wait_until(condition: Any, within_s: float, failure: str) -> None:
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.1)
+
+
 # --- a client that disconnects mid-stream ------------------------------------------------------
 
 
@@ -169,10 +176,7 @@ def test_client_disconnect_mid_stream_frees_the_engine(stack: ProcessStack) -> N
         assert in_flight() == 1
         response.close()  # hang up mid-stream
     # The gateway notices at its next write and cancels the Generate call.
-    deadline = time.monotonic() + 3
-    while in_flight() != 0:
-        assert time.monotonic() < deadline, "the abandoned generation still holds the engine"
-        time.sleep(0.1)
+    wait_until(lambda: in_flight() == 0, 3, "the abandoned generation still holds the engine")
     after = ended()
     assert after["UNKNOWN"] == before["UNKNOWN"], "a hang-up was counted as a server error"
     # Mostly CANCELLED; gRPC lets a few cancelled streams end as if complete, so the idle engine is the proof.
@@ -185,13 +189,6 @@ def test_client_disconnect_mid_stream_frees_the_engine(stack: ProcessStack) -> N
     assert load < 0.25, f"ft-a still uses {load:.2f} cores after the cancel"
     reply = chat(stack, chat_body("ft-a", "hi", max_tokens=4))
     assert reply.status_code == 200, reply.text
-
-
-def wait_until(condition: Any, within_s: float, failure: str) -> None:
-    deadline = time.monotonic() + within_s
-    while not condition():
-        assert time.monotonic() < deadline, failure
-        time.sleep(0.1)
 
 
 def test_clients_that_leave_before_any_output_cancel_their_generations(stack: ProcessStack) -> None:
