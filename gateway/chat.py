@@ -145,7 +145,9 @@ async def prepare(
 async def _start(
     llm: AsyncLLMClient, request: ChatCompletionRequest, chat: PreparedChat, sampling: Sampling, request_id: str
 ) -> tuple[AsyncIterator[GenerationChunk], GenerationChunk]:
-    stream = llm.generate(request.model, chat.messages, sampling, request_id)
+    # A client that does not stream reads nothing before the end: one message per choice then, not
+    # one per token, which would cost both processes CPU per token for nobody.
+    stream = llm.generate(request.model, chat.messages, sampling, request_id, single_chunk=not request.stream)
     return stream, await anext(stream)
 
 
@@ -175,7 +177,7 @@ def _finished(request: ChatCompletionRequest, chunk: GenerationChunk, first_at: 
     """Counts a choice's last chunk: its tokens, and the time per token after the first."""
     summary.current().note_usage(chunk.prompt_tokens, chunk.completion_tokens)
     metrics.TOKENS.labels(request.model).inc(chunk.completion_tokens)
-    if chunk.completion_tokens > 1:  # decode time per token after the first
+    if request.stream and chunk.completion_tokens > 1:  # decode time per token after the first
         per_token = (time.perf_counter() - first_at) / (chunk.completion_tokens - 1)
         metrics.TOKEN_SECONDS.labels(request.model).observe(per_token)
 
@@ -187,8 +189,9 @@ async def _one_choice(
     started = time.perf_counter()
     stream, first = await _opened(request, chat, backends, sampling, request_id)
     first_at = time.perf_counter()
-    metrics.TTFT_SECONDS.labels(request.model).observe(first_at - started)
-    summary.current().note_first_token()
+    if request.stream:  # else this first chunk is the whole choice
+        metrics.TTFT_SECONDS.labels(request.model).observe(first_at - started)
+        summary.current().note_first_token()
     if first.finish_reason is not None:  # a one-message answer (max_tokens 1, an immediate stop)
         _finished(request, first, first_at)
     yield first

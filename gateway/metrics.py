@@ -16,17 +16,19 @@ HTTP_SECONDS = Histogram(
 IN_FLIGHT = Gauge("gateway_chat_in_flight", "Chat completions being served now.")
 TTFT_SECONDS = Histogram(
     "gateway_ttft_seconds",
-    "Time from request to the first generated token, by model.",
+    "Time from request to the first generated token of a streamed chat, by model.",
     ["model"],
     buckets=LATENCY_BUCKETS,
 )
 TOKENS = Counter("gateway_completion_tokens_total", "Tokens generated, by model.", ["model"])
 TOKEN_SECONDS = Histogram(
     "gateway_time_per_output_token_seconds",
-    "Mean time per generated token after the first, per request, by model.",
+    "Mean time per generated token after the first, per streamed chat, by model.",
     ["model"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
 )
+# A chat that is not streamed has no first token to time: its LLM services send each choice whole,
+# as one message (llm_request_stage_seconds{stage="first_token"} still times their engines).
 # The gateway's own share of a chat's time: prepare (encode or look up every image and video, build
 # the messages) and relay (turning each choice's chunks into the response and sending them, summed
 # over a completed choice); the LLM service times its stages in llm_request_stage_seconds.

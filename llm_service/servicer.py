@@ -27,6 +27,7 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
         self, request: llm_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[llm_pb2.GenerateChunk]:
         chat = ChatRequest.from_pb(request, self._limits)
+        held = _HeldChunks() if request.single_chunk else None
         streaming = 0.0  # our share of the stream: building and sending messages, not awaiting the engine
         async for delta in self._core.generate(chat):
             began = time.perf_counter()
@@ -37,7 +38,9 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
                 chunk.finish_reason = _FINISH_REASONS[delta.finish_reason]
                 chunk.usage.prompt_tokens = delta.prompt_tokens
                 chunk.usage.completion_tokens = delta.completion_tokens
-            yield chunk  # resumes once gRPC has taken the message
+            ready = chunk if held is None else held.add(chunk)
+            if ready is not None:
+                yield ready  # resumes once gRPC has taken the message
             streaming += time.perf_counter() - began
         metrics.REQUEST_STAGE_SECONDS.labels("stream").observe(streaming)
 
@@ -52,3 +55,34 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
             engine=self._engine_name,
         )
         return llm_pb2.ListModelsReply(models=[model])
+
+
+class _HeldChunks:
+    """Chunks held back for a caller that asked for the completion in one (single_chunk), and
+    joined: texts, token ids and logprobs in order, the last one's finish reason and usage."""
+
+    # Held past this size, they go out early, as one chunk more: the completion then comes in a few
+    # chunks, each well within the message size both ends accept (a long completion with
+    # top_logprobs 20 reaches tens of MB).
+    MAX_BYTES = 4 * 1024 * 1024
+
+    def __init__(self) -> None:
+        self._chunks: list[llm_pb2.GenerateChunk] = []
+        self._bytes = 0
+
+    def add(self, chunk: llm_pb2.GenerateChunk) -> llm_pb2.GenerateChunk | None:
+        """Holds `chunk`; returns the joined chunk once the completion ends or the held chunks fill up."""
+        self._chunks.append(chunk)
+        self._bytes += chunk.ByteSize()
+        if chunk.finish_reason == llm_pb2.FINISH_REASON_UNSPECIFIED and self._bytes < self.MAX_BYTES:
+            return None
+        chunks, self._chunks, self._bytes = self._chunks, [], 0
+        joined = llm_pb2.GenerateChunk(
+            text="".join(c.text for c in chunks),
+            token_ids=[token for c in chunks for token in c.token_ids],
+            logprobs=[entry for c in chunks for entry in c.logprobs],
+            finish_reason=chunk.finish_reason,
+        )
+        if chunk.HasField("usage"):
+            joined.usage.CopyFrom(chunk.usage)
+        return joined

@@ -25,6 +25,7 @@ RPC_SECONDS = Histogram(
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )  # fmt: skip
 RPC_IN_FLIGHT = Gauge("grpc_server_in_flight", "RPCs being served now, by method.", _CALL)
+MESSAGES_SENT = Counter("grpc_server_msg_sent_total", "Messages sent by the server's streams, by method.", _CALL)
 
 
 def rpc_type(handler: grpc.RpcMethodHandler) -> str:
@@ -76,7 +77,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         labels = call_labels(handler_call_details.method, handler)
-        return within(handler, lambda context: _Observed(labels, context))
+        return within(handler, lambda context: _Observed(labels, context), MESSAGES_SENT.labels(*labels).inc)
 
 
 def serve_metrics(port: int) -> None:

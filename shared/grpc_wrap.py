@@ -46,8 +46,11 @@ def rewrap(
     return handler
 
 
-def within(handler: grpc.RpcMethodHandler | None, scope: CallScope) -> grpc.RpcMethodHandler | None:
-    """The same handler with every call, unary or streamed, run inside `scope(context)`."""
+def within(
+    handler: grpc.RpcMethodHandler | None, scope: CallScope, each_message: Callable[[], None] = lambda: None
+) -> grpc.RpcMethodHandler | None:
+    """The same handler with every call, unary or streamed, run inside `scope(context)`, and
+    `each_message()` called as a stream yields each of its messages."""
 
     def wrap_unary(behavior: UnaryBehavior) -> UnaryBehavior:
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -60,6 +63,7 @@ def within(handler: grpc.RpcMethodHandler | None, scope: CallScope) -> grpc.RpcM
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
             with scope(context):
                 async for item in behavior(request, context):
+                    each_message()
                     yield item
 
         return wrapper

@@ -80,14 +80,14 @@ def test_sdk_tokens_equal_reference_tokens_and_differ_across_models_and_images(
             image = png_bytes(seed)
             key = encoder.encode(image_bytes=image).key
             for model in ("ft-a", "ft-b"):
+                ask = [Message("user", [ImageKey(key), question])]
                 with LLMClient(stack.llm_target(model)) as llm:
-                    chunks = list(
-                        llm.generate(
-                            model, [Message("user", [ImageKey(key), question])], Sampling(max_tokens=MAX_TOKENS)
-                        )
-                    )
+                    chunks = list(llm.generate(model, ask, Sampling(max_tokens=MAX_TOKENS)))
+                    (whole,) = llm.generate(model, ask, Sampling(max_tokens=MAX_TOKENS), single_chunk=True)
                 tokens = [t for c in chunks for t in c.token_ids]
                 assert tokens == reference_greedy_tokens(checkpoints[model], pil_image(image), question, MAX_TOKENS)
+                assert (whole.token_ids, whole.text) == (tokens, "".join(c.text for c in chunks))
+                assert (whole.finish_reason, whole.completion_tokens) == (chunks[-1].finish_reason, len(tokens))
                 seen[(seed, model)] = tuple(tokens)
     assert len(set(seen.values())) == 4, f"outputs should differ across images and models: {seen}"
 

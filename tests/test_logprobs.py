@@ -36,6 +36,8 @@ def test_logprobs_match_tokens_and_stream_alike(stack: Stack, openai_client: Ope
     streamed = [entry for c in chunks if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
     assert [e.token for e in streamed] == [e.token for e in content]
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reply.choices[0].message.content  # the whole choice in one message is the same text
 
 
 @pytest.mark.parametrize("model", MODELS)

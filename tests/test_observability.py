@@ -16,14 +16,18 @@ from tests.harness import Stack, free_port
 from tests.images import data_url, png_bytes
 from tests.metrics_text import metric_sum
 
+GENERATE = {"grpc_service": "llm.v1.LLMService", "grpc_method": "/llm.v1.LLMService/Generate"}
+
 
 def test_metrics_count_requests_encodes_and_rpcs(stack: Stack, openai_client: OpenAI) -> None:
     before = httpx.get(f"{stack.base_url}/metrics").text
-    openai_client.chat.completions.create(
+    stream = openai_client.chat.completions.create(
         model="ft-a",
         max_tokens=3,
+        stream=True,
         messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png_bytes(401))}}]}],
     )
+    assert [chunk for chunk in stream]
     after = httpx.get(f"{stack.base_url}/metrics").text
     route = {"route": "/v1/chat/completions", "status": "200"}
     assert (
@@ -31,24 +35,23 @@ def test_metrics_count_requests_encodes_and_rpcs(stack: Stack, openai_client: Op
         == metric_sum(before, "gateway_http_requests_total", **route) + 1
     )
     assert metric_sum(after, "encoder_images_encoded_total") == metric_sum(before, "encoder_images_encoded_total") + 1
-    generate = {
-        "grpc_service": "llm.v1.LLMService",
-        "grpc_method": "/llm.v1.LLMService/Generate",
-        "grpc_type": "server_stream",
-        "grpc_code": "OK",
-    }
+    generate = {**GENERATE, "grpc_type": "server_stream", "grpc_code": "OK"}
     assert (
         metric_sum(after, "grpc_server_handled_total", **generate)
-        >= metric_sum(before, "grpc_server_handled_total", **generate) + 1
+        == metric_sum(before, "grpc_server_handled_total", **generate) + 1
     )
-    assert metric_sum(after, "gateway_ttft_seconds_count", model="ft-a") >= 1
+    assert metric_sum(after, "gateway_ttft_seconds_count", model="ft-a") == (
+        metric_sum(before, "gateway_ttft_seconds_count", model="ft-a") + 1
+    )
     # The gateway's own stages and the LLM service's stages, one observation each for this chat.
     for name, stage in [("gateway_request_stage_seconds_count", stage) for stage in ("prepare", "relay")] + [
         ("llm_request_stage_seconds_count", stage) for stage in ("media", "prompt", "first_token", "stream")
     ]:
         assert metric_sum(after, name, stage=stage) == metric_sum(before, name, stage=stage) + 1, (name, stage)
     assert metric_sum(after, "gateway_completion_tokens_total", model="ft-a") >= 3
-    assert metric_sum(after, "gateway_time_per_output_token_seconds_count", model="ft-a") >= 1
+    assert metric_sum(after, "gateway_time_per_output_token_seconds_count", model="ft-a") == (
+        metric_sum(before, "gateway_time_per_output_token_seconds_count", model="ft-a") + 1
+    )
 
 
 def test_services_serve_metrics_over_http() -> None:

@@ -16,11 +16,11 @@ SERVICE = "LLM service"  # how errors name it: "LLM service at host:port"
 
 
 def _generate(
-    model: str, messages: list[Message], sampling: Sampling | None, request_id: str | None
+    model: str, messages: list[Message], sampling: Sampling | None, request_id: str | None, single_chunk: bool
 ) -> Call[llm_pb2.GenerateChunk, GenerationChunk]:
     # Always a request id: the service names the generation by it (and logs it).
     request_id = request_id or uuid.uuid4().hex
-    request = generate_request(model, messages, sampling or Sampling(), request_id)
+    request = generate_request(model, messages, sampling or Sampling(), request_id, single_chunk)
     return Call("Generate", request, GenerationChunk.from_pb, request_id)
 
 
@@ -39,11 +39,14 @@ class AsyncLLMClient(AsyncClient):
         super().__init__(SERVICE, llm_pb2_grpc.LLMServiceStub, target, timeout_s, config)
 
     async def generate(
-        self, model: str, messages: list[Message], sampling: Sampling | None = None, request_id: str | None = None
-    ) -> AsyncIterator[GenerationChunk]:
-        """Streams chunks; leaving the loop early cancels the generation on the server."""
+        self, model: str, messages: list[Message], sampling: Sampling | None = None, request_id: str | None = None,
+        single_chunk: bool = False,
+    ) -> AsyncIterator[GenerationChunk]:  # fmt: skip
+        """Streams chunks; leaving the loop early cancels the generation on the server.
+        single_chunk: the completion held back and sent as one chunk at its end (a few past 4 MiB):
+        cheaper for a caller that does not stream."""
         # aclosing: closing this generator closes the call's at once (which cancels it), not at GC.
-        async with aclosing(self._stream(_generate(model, messages, sampling, request_id))) as chunks:
+        async with aclosing(self._stream(_generate(model, messages, sampling, request_id, single_chunk))) as chunks:
             async for chunk in chunks:
                 yield chunk
 
@@ -58,10 +61,13 @@ class LLMClient(BlockingClient):
         super().__init__(SERVICE, llm_pb2_grpc.LLMServiceStub, target, timeout_s, config)
 
     def generate(
-        self, model: str, messages: list[Message], sampling: Sampling | None = None, request_id: str | None = None
-    ) -> Iterator[GenerationChunk]:
-        """Streams chunks; leaving the loop early cancels the generation on the server."""
-        yield from self._stream(_generate(model, messages, sampling, request_id))
+        self, model: str, messages: list[Message], sampling: Sampling | None = None, request_id: str | None = None,
+        single_chunk: bool = False,
+    ) -> Iterator[GenerationChunk]:  # fmt: skip
+        """Streams chunks; leaving the loop early cancels the generation on the server.
+        single_chunk: the completion held back and sent as one chunk at its end (a few past 4 MiB):
+        cheaper for a caller that does not stream."""
+        yield from self._stream(_generate(model, messages, sampling, request_id, single_chunk))
 
     def list_models(self) -> list[ModelInfo]:
         return self._unary(_list_models())

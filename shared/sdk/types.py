@@ -224,11 +224,12 @@ class Sampling:
 
 
 def generate_request(
-    model: str, messages: list[Message], sampling: Sampling, request_id: str
+    model: str, messages: list[Message], sampling: Sampling, request_id: str, single_chunk: bool = False
 ) -> llm_pb2.GenerateRequest:
     return llm_pb2.GenerateRequest(
-        model=model, messages=[m.to_pb() for m in messages], sampling=sampling.to_pb(), request_id=request_id
-    )
+        model=model, messages=[m.to_pb() for m in messages], sampling=sampling.to_pb(), request_id=request_id,
+        single_chunk=single_chunk,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
