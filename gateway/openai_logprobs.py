@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,4 +22,10 @@ def _content(entry: TokenLogprob) -> dict[str, Any]:
 
 def _alternative(entry: TokenLogprob | TopLogprob) -> dict[str, Any]:
     # OpenAI sends bytes as a list of ints: a token may hold part of a multi-byte character.
-    return {"token": entry.token, "logprob": entry.logprob, "bytes": list(entry.bytes)}
+    return {"token": entry.token, "logprob": openai_logprob(entry.logprob), "bytes": list(entry.bytes)}
+
+
+def openai_logprob(logprob: float) -> float:
+    """JSON has no -inf or NaN (a token the model rules out, a broken checkpoint): they become
+    -9999.0, as vLLM's OpenAI server sends them. `max` alone would keep NaN."""
+    return -9999.0 if math.isnan(logprob) else max(logprob, -9999.0)
