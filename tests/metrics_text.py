@@ -5,6 +5,9 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+# The labels of the LLM service's Generate RPC in the gRPC server metrics.
+GENERATE_LABELS = {"grpc_service": "llm.v1.LLMService", "grpc_method": "/llm.v1.LLMService/Generate"}
+
 
 def scrape(url: str) -> str:
     return httpx.get(url, timeout=5).text

@@ -14,9 +14,7 @@ from shared.grpc_metrics import serve_metrics
 from shared.logging_setup import JsonFormatter
 from tests.harness import Stack, free_port
 from tests.images import data_url, png_bytes
-from tests.metrics_text import metric_sum
-
-GENERATE = {"grpc_service": "llm.v1.LLMService", "grpc_method": "/llm.v1.LLMService/Generate"}
+from tests.metrics_text import GENERATE_LABELS, metric_sum
 
 
 def test_metrics_count_requests_encodes_and_rpcs(stack: Stack, openai_client: OpenAI) -> None:
@@ -35,7 +33,7 @@ def test_metrics_count_requests_encodes_and_rpcs(stack: Stack, openai_client: Op
         == metric_sum(before, "gateway_http_requests_total", **route) + 1
     )
     assert metric_sum(after, "encoder_images_encoded_total") == metric_sum(before, "encoder_images_encoded_total") + 1
-    generate = {**GENERATE, "grpc_type": "server_stream", "grpc_code": "OK"}
+    generate = {**GENERATE_LABELS, "grpc_type": "server_stream", "grpc_code": "OK"}
     assert (
         metric_sum(after, "grpc_server_handled_total", **generate)
         == metric_sum(before, "grpc_server_handled_total", **generate) + 1

@@ -9,14 +9,13 @@ from openai import OpenAI
 
 from llm_service.servicer import _HeldChunks
 from tests.harness import Stack
-from tests.metrics_text import metric_sum
+from tests.metrics_text import GENERATE_LABELS, metric_sum
 
-GENERATE = {"grpc_service": "llm.v1.LLMService", "grpc_method": "/llm.v1.LLMService/Generate"}
 ASK = [{"role": "user", "content": "Count to twenty."}]
 
 
 def _messages_sent(stack: Stack) -> float:
-    return metric_sum(httpx.get(f"{stack.base_url}/metrics").text, "grpc_server_msg_sent_total", **GENERATE)
+    return metric_sum(httpx.get(f"{stack.base_url}/metrics").text, "grpc_server_msg_sent_total", **GENERATE_LABELS)
 
 
 @pytest.mark.parametrize("model", ["ft-a", "ft-b"])  # both engines
@@ -26,8 +25,8 @@ def test_a_chat_not_streamed_costs_one_grpc_message_per_choice(stack: Stack, ope
     reply = openai_client.chat.completions.create(model=model, max_tokens=12, n=2, temperature=0, messages=ASK)
     after = httpx.get(f"{stack.base_url}/metrics").text
     assert reply.usage.completion_tokens > 2 * 2  # more tokens than messages
-    sent = metric_sum(after, "grpc_server_msg_sent_total", **GENERATE)
-    assert sent == metric_sum(before, "grpc_server_msg_sent_total", **GENERATE) + 2
+    sent = metric_sum(after, "grpc_server_msg_sent_total", **GENERATE_LABELS)
+    assert sent == metric_sum(before, "grpc_server_msg_sent_total", **GENERATE_LABELS) + 2
     for name in ("gateway_ttft_seconds_count", "gateway_time_per_output_token_seconds_count"):
         assert metric_sum(after, name, model=model) == metric_sum(before, name, model=model), name
 
