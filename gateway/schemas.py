@@ -243,6 +243,13 @@ class ChatCompletionRequest(RequestBody):
             raise ValueError("top_logprobs needs logprobs set to true")
         return value
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> Self:
+        # OpenAI and vLLM refuse them too: options for a stream that will not happen are a client's mistake.
+        if self.stream_options is not None and not self.stream:
+            raise InvalidInput("stream_options can only be set when stream is true", param="stream_options")
+        return self
+
     @property
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

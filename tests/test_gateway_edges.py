@@ -143,6 +143,16 @@ def test_values_of_the_wrong_json_type_are_400(stack: Stack, extra: dict[str, An
     assert_openai_error(response, 400, param=param)
 
 
+@pytest.mark.parametrize("stream", [False, None])
+def test_stream_options_without_a_stream_are_400_as_openai_answers(stack: Stack, stream: bool | None) -> None:
+    extra: dict[str, Any] = {"stream_options": {"include_usage": True}}
+    if stream is not None:
+        extra["stream"] = stream
+    response = httpx.post(f"{stack.base_url}/v1/chat/completions", json=chat_body(**extra), timeout=60)
+    error = assert_openai_error(response, 400, param="stream_options")
+    assert "stream" in error["message"], error
+
+
 def test_an_integer_temperature_is_a_float(stack: Stack) -> None:
     response = httpx.post(f"{stack.base_url}/v1/chat/completions", json=chat_body(temperature=1, seed=1), timeout=60)
     assert response.status_code == 200, response.text
