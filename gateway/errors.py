@@ -37,9 +37,10 @@ def _param_from_loc(loc: tuple[int | str, ...]) -> str | None:
 
 
 def _is_json(content_type: str) -> bool:
-    """Whether FastAPI parses a body of this type as JSON (no type at all counts as JSON)."""
+    """Whether FastAPI parses a body of this type as JSON. A body with no type is not parsed
+    (FastAPI's strict_content_type, on by default in the FastAPI we pin)."""
     media_type = content_type.split(";")[0].strip().lower()
-    return not media_type or media_type == "application/json" or media_type.endswith("+json")
+    return media_type == "application/json" or media_type.endswith("+json")
 
 
 def validation_error(exc: RequestValidationError, content_type: str) -> InvalidInput:
@@ -51,9 +52,9 @@ def validation_error(exc: RequestValidationError, content_type: str) -> InvalidI
         # object to extract fields from". The usual cause is a client that sent JSON under another
         # type (curl -d sends application/x-www-form-urlencoded), which FastAPI does not parse.
         if not _is_json(content_type):
+            came = f"came as {clip(content_type)!r}" if content_type else "came with no Content-Type"
             return InvalidInput(
-                f"request body must be a JSON object sent with Content-Type: application/json "
-                f"(this one came as {clip(content_type)!r})",
+                f"request body must be a JSON object sent with Content-Type: application/json (this one {came})",
                 param=None,
             )
         return InvalidInput("request body must be a JSON object", param=None)

@@ -209,6 +209,8 @@ BODY_FORMS = [
     # curl -d without -H: JSON under the form type, which FastAPI does not parse
     ("form type", "application/x-www-form-urlencoded", "Content-Type: application/json", "x-www-form-urlencoded"),
     ("text type", "text/plain", "Content-Type: application/json", "text/plain"),
+    # httpx's content= and many scripts send no type; this one said only "must be a JSON object"
+    ("no type", None, "Content-Type: application/json", "no Content-Type"),
     ("JSON array", "application/json", "must be a JSON object", None),
 ]
 
@@ -216,11 +218,12 @@ BODY_FORMS = [
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/images/encode"])
 @pytest.mark.parametrize(("name", "content_type", "says", "names"), BODY_FORMS, ids=[form[0] for form in BODY_FORMS])
 def test_a_body_that_is_not_a_json_object_is_a_400_saying_how_to_send_one(
-    stack: Stack, path: str, name: str, content_type: str, says: str, names: str | None
+    stack: Stack, path: str, name: str, content_type: str | None, says: str, names: str | None
 ) -> None:
     """These were 400 "Input should be a valid dictionary or object to extract fields from"."""
     body = json.dumps(_chat("ft-a", False, "hi") if name != "JSON array" else [_chat("ft-a", False, "hi")])
-    response = httpx.post(f"{stack.base_url}{path}", content=body, headers={"content-type": content_type}, timeout=60)
+    headers = {"content-type": content_type} if content_type is not None else {}
+    response = httpx.post(f"{stack.base_url}{path}", content=body, headers=headers, timeout=60)
     assert response.status_code == 400, response.text[:500]
     message = response.json()["error"]["message"]
     assert says in message and (names is None or names in message), message
