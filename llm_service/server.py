@@ -14,6 +14,7 @@ from llm_service.engines.factory import load_engine, resolve_engine_name
 from llm_service.prompt import PromptBuilder
 from llm_service.servicer import LLMServicer
 from llm_service.settings import LLMSettings
+from llm_service.warm_up import warm_up
 from shared import readiness
 from shared.blob import BlobRules
 from shared.encoder_id import compute_encoder_id
@@ -64,9 +65,10 @@ def build_core(settings: LLMSettings) -> LLMCore:
 
 
 async def start_llm_server(settings: LLMSettings, core: LLMCore | None = None) -> LLMServer:
-    """Loads the model (unless `core` is given), starts serving, and reports SERVING while Redis
-    answers and the engine lives."""
+    """Loads the model (unless `core` is given), warms the engine up (llm_service/warm_up.py),
+    starts serving, and reports SERVING while Redis answers and the engine lives."""
     core = core or build_core(settings)
+    await warm_up(core.engine)
     limits = SamplingLimits(settings.default_max_tokens, settings.max_tokens_limit)
 
     def register(server: grpc.aio.Server) -> None:

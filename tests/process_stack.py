@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,6 +155,14 @@ class ProcessStack:
 
     def log_tails(self, lines: int = 15) -> str:
         return log_tails(self.log_dir, lines)
+
+    def wait_for(self, condition: Callable[[], object], timeout_s: float, what: str) -> float:
+        """Seconds until `condition()` held; fails after `timeout_s`, naming `what`, with the logs' tails."""
+        started = time.monotonic()
+        while not condition():
+            assert time.monotonic() - started < timeout_s, f"{what} not within {timeout_s}s\n{self.log_tails()}"
+            time.sleep(0.05)
+        return time.monotonic() - started
 
 
 def log_tails(log_dir: Path, lines: int = 15) -> str:

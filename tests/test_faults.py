@@ -142,13 +142,6 @@ def test_chat_naming_an_evicted_key_gets_a_clear_404(stack: ProcessStack) -> Non
     assert error["code"] == "embedding_not_found" and key in error["message"]
 
 
-def wait_until(condition: Any, within_s: float, failure: str) -> None:
-    deadline = time.monotonic() + within_s
-    while not condition():
-        assert time.monotonic() < deadline, failure
-        time.sleep(0.1)
-
-
 # --- a client that disconnects mid-stream ------------------------------------------------------
 
 
@@ -176,7 +169,7 @@ def test_client_disconnect_mid_stream_frees_the_engine(stack: ProcessStack) -> N
         assert in_flight() == 1
         response.close()  # hang up mid-stream
     # The gateway notices at its next write and cancels the Generate call.
-    wait_until(lambda: in_flight() == 0, 3, "the abandoned generation still holds the engine")
+    stack.wait_for(lambda: in_flight() == 0, 3, "the engine freed of the abandoned generation")
     after = ended()
     assert after["UNKNOWN"] == before["UNKNOWN"], "a hang-up was counted as a server error"
     # Mostly CANCELLED; gRPC lets a few cancelled streams end as if complete, so the idle engine is the proof.
@@ -213,11 +206,11 @@ def test_clients_that_leave_before_any_output_cancel_their_generations(stack: Pr
     busy = chat_body("ft-a", LONG_PROMPT, max_tokens=2000) | {"n": 4}
     with ThreadPoolExecutor(1) as pool:
         busy_client = pool.submit(give_up_after, 6.0, busy)
-        wait_until(lambda: in_flight() == 4, 5, "the four choices never reached the LLM service")
+        stack.wait_for(lambda: in_flight() == 4, 5, "the four choices at the LLM service")
         give_up_after(1.0, chat_body("ft-a", "hello", max_tokens=8, stream=True))
-        wait_until(lambda: in_flight() == 4, 3, "a stream whose client left before its first token still waits")
+        stack.wait_for(lambda: in_flight() == 4, 3, "the end of a stream whose client left before its first token")
         busy_client.result()
-    wait_until(lambda: in_flight() == 0, 3, "a non-streaming request whose client left still generates")
+    stack.wait_for(lambda: in_flight() == 0, 3, "the end of a non-streaming request whose client left")
     assert gone() == gone_before + 2
     assert stack.metric("gateway", "gateway_chat_in_flight") == gateway_slots_before
     reply = chat(stack, chat_body("ft-a", "hi", max_tokens=4))

@@ -14,7 +14,6 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import grpc
 import httpx
@@ -64,15 +63,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_for(condition: Any, timeout_s: float, what: str, stack: ProcessStack) -> float:
-    """Seconds until `condition()` held; fails after `timeout_s`."""
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < timeout_s, f"{what} not within {timeout_s}s\n{stack.log_tails()}"
-        time.sleep(0.05)
-    return time.monotonic() - started
-
-
 class HealthWatch:
     """A health Watch on a service, read on a thread: the statuses it reported, with their times."""
 
@@ -104,19 +94,19 @@ def test_a_killed_engine_core_turns_the_service_not_serving_503s_exits_and_is_re
     assert old is not None
     watch = HealthWatch(service.target)
     try:
-        wait_for(lambda: watch.first(SERVING) is not None, 10, "the watch's first SERVING", stack)
+        stack.wait_for(lambda: watch.first(SERVING) is not None, 10, "the watch's first SERVING")
         os.kill(stack.engine_core_pid("ft-a"), signal.SIGKILL)  # as the OOM killer would
         killed_at = time.monotonic()
         down = chat(stack, "ft-a")
         assert down.status_code == 503, down.text  # was 500 (EngineDeadError) forever
         assert down.headers["retry-after"] == "1" and down.json()["error"]["code"] == "unavailable"
-        wait_for(lambda: watch.first(NOT_SERVING) is not None, 5, "NOT_SERVING on the watch", stack)
+        stack.wait_for(lambda: watch.first(NOT_SERVING) is not None, 5, "NOT_SERVING on the watch")
         not_serving_after = watch.first(NOT_SERVING) - killed_at  # type: ignore[operator]
         assert not_serving_after < 1.5, f"NOT_SERVING {not_serving_after:.2f}s after the engine died"
     finally:
         watch.close()
     assert old.wait(timeout=15) == 1, "a service whose engine died must exit non-zero, to be restarted"
-    wait_for(lambda: service.process is not old and stack.alive("ft-a"), 30, "the relaunch", stack)
+    stack.wait_for(lambda: service.process is not old and stack.alive("ft-a"), 30, "the relaunch")
     stack.wait_healthy()
     again = chat(stack, "ft-a")
     assert again.status_code == 200, again.text
@@ -133,7 +123,7 @@ def test_a_frozen_engine_core_turns_the_service_not_serving_fails_its_requests_e
     core = stack.engine_core_pid("ft-a")
     watch = HealthWatch(service.target)
     try:
-        wait_for(lambda: watch.first(SERVING) is not None, 10, "the watch's first SERVING", stack)
+        stack.wait_for(lambda: watch.first(SERVING) is not None, 10, "the watch's first SERVING")
         os.kill(core, signal.SIGSTOP)
         frozen_at = time.monotonic()
         waiting = chat(stack, "ft-a")  # reaches the frozen engine and waits for a token
@@ -141,15 +131,15 @@ def test_a_frozen_engine_core_turns_the_service_not_serving_fails_its_requests_e
         assert waiting.status_code == 503, waiting.text
         print(f"503 {answered_after:.1f}s after the freeze: {waiting.json()['error']['message']}")
         assert answered_after < STALL_S + 10, f"the request waited {answered_after:.1f}s"
-        wait_for(lambda: watch.first(NOT_SERVING) is not None, 5, "NOT_SERVING on the watch", stack)
+        stack.wait_for(lambda: watch.first(NOT_SERVING) is not None, 5, "NOT_SERVING on the watch")
         assert old.wait(timeout=30) == 1, "a service whose engine hangs must exit non-zero, to be restarted"
         assert "the engine made no progress" in (stack.log_dir / "ft-a.log").read_text()
-        wait_for(lambda: not alive(core), 5, "the end of the frozen EngineCore", stack)  # no stopped orphan
+        stack.wait_for(lambda: not alive(core), 5, "the end of the frozen EngineCore")  # no stopped orphan
     finally:
         watch.close()
         if alive(core):
             os.kill(core, signal.SIGKILL)
-    wait_for(lambda: service.process is not old and stack.alive("ft-a"), 30, "the relaunch", stack)
+    stack.wait_for(lambda: service.process is not old and stack.alive("ft-a"), 30, "the relaunch")
     stack.wait_healthy()
     again = chat(stack, "ft-a")
     assert again.status_code == 200, again.text
@@ -178,7 +168,7 @@ def test_a_frozen_engine_is_caught_though_every_client_gives_up_before_the_limit
     finally:
         if alive(core):
             os.kill(core, signal.SIGKILL)
-    wait_for(lambda: service.process is not old and stack.alive("ft-b"), 30, "the relaunch", stack)
+    stack.wait_for(lambda: service.process is not old and stack.alive("ft-b"), 30, "the relaunch")
     stack.wait_healthy()
     assert chat(stack, "ft-b").status_code == 200
 
@@ -221,7 +211,7 @@ def test_an_encoder_pass_past_its_stall_limit_fails_its_call_exits_and_is_relaun
     print(f"503 {time.monotonic() - started:.1f}s after the request: {reply.json()['error']['message']}")
     assert old.wait(timeout=30) == 1, "an encoder whose tower hangs must exit non-zero, to be restarted"
     assert "the vision tower made no progress" in (stack.log_dir / "encoder.log").read_text()
-    wait_for(lambda: service.process is not old and stack.alive("encoder"), 30, "the relaunch", stack)
+    stack.wait_for(lambda: service.process is not old and stack.alive("encoder"), 30, "the relaunch")
     stack.wait_healthy()
     small = httpx.post(f"{stack.base_url}/v1/images/encode", json={"image_url": frames[0]}, timeout=60)
     assert small.status_code == 200, small.text
@@ -234,7 +224,7 @@ def test_a_killed_llm_service_takes_its_engine_processes_with_it(stack: ProcessS
     assert workers, "vLLM's EngineCore runs its model in a worker process on CPU"
     tree = [*children, *workers]
     stack.send("ft-b", signal.SIGKILL)
-    gone_after = wait_for(lambda: not any(alive(pid) for pid in tree), 5, f"the end of ft-b's children {tree}", stack)
+    gone_after = stack.wait_for(lambda: not any(alive(pid) for pid in tree), 5, f"the end of ft-b's children {tree}")
     print(f"engine processes gone {gone_after:.2f}s after the service was killed")
 
 
@@ -249,11 +239,11 @@ def test_a_service_stopped_while_its_engine_starts_leaves_no_engine_process(stac
         children = stack.children("ft-b").items()
         return [pid for pid, command in children if "spawn_main" in command or "EngineCore" in command]
 
-    wait_for(spawned, 60, "ft-b's EngineCore", stack)
+    stack.wait_for(spawned, 60, "ft-b's EngineCore")
     (core,) = spawned()
     stack.send("ft-b", signal.SIGTERM)
     stack.wait_exit("ft-b", 30)
-    gone_after = wait_for(lambda: not alive(core), 30, f"the end of ft-b's EngineCore {core}", stack)
+    gone_after = stack.wait_for(lambda: not alive(core), 30, f"the end of ft-b's EngineCore {core}")
     print(f"EngineCore gone {gone_after:.2f}s after its service")
 
 
@@ -263,7 +253,7 @@ def test_a_redis_that_stalls_for_a_moment_leaves_readiness_alone(stack: ProcessS
     watches = {name: HealthWatch(stack.service(name).target) for name in ("encoder", "ft-a")}
     try:
         for name, watch in watches.items():
-            wait_for(lambda watch=watch: watch.first(SERVING) is not None, 10, f"{name}'s first SERVING", stack)
+            stack.wait_for(lambda watch=watch: watch.first(SERVING) is not None, 10, f"{name}'s first SERVING")
         with redis.Redis.from_url(stack.redis.url) as client:
             for _ in range(2):
                 # Every client's commands wait 1.2 s: longer than the services' 0.5 s socket timeout
@@ -282,9 +272,9 @@ def test_readiness_follows_redis_and_a_service_starts_while_redis_is_down(stack:
     stack.redis.stop()
     try:
         for name in services:  # three failed checks a second apart (shared/readiness.py DOWN_AFTER)
-            wait_for(lambda name=name: stack.grpc_health(name) == "NOT_SERVING", 8, f"{name} NOT_SERVING", stack)
+            stack.wait_for(lambda name=name: stack.grpc_health(name) == "NOT_SERVING", 8, f"{name} NOT_SERVING")
         stack.service("encoder").restart()  # down at start: it must start all the same, NOT_SERVING
-        wait_for(lambda: stack.grpc_health("encoder") == "NOT_SERVING", 120, "the encoder up, NOT_SERVING", stack)
+        stack.wait_for(lambda: stack.grpc_health("encoder") == "NOT_SERVING", 120, "the encoder up, NOT_SERVING")
         time.sleep(2)  # and stays so while Redis is down
         assert stack.grpc_health("encoder") == "NOT_SERVING" and stack.grpc_health("ft-a") == "NOT_SERVING"
         # Liveness stays SERVING: Kubernetes must not restart pods for an outage of Redis.
@@ -292,7 +282,7 @@ def test_readiness_follows_redis_and_a_service_starts_while_redis_is_down(stack:
     finally:
         stack.redis.start()
     for name in services:
-        back = wait_for(lambda name=name: stack.grpc_health(name) == "SERVING", 5, f"{name} SERVING again", stack)
+        back = stack.wait_for(lambda name=name: stack.grpc_health(name) == "SERVING", 5, f"{name} SERVING again")
         print(f"{name} SERVING {back:.2f}s after Redis returned")
     assert chat(stack, "ft-a").status_code == 200
 
@@ -376,7 +366,7 @@ def test_the_gateway_process_logs_one_line_per_request_and_none_per_probe(stack:
     def written() -> list[str]:
         return log.read_text().splitlines()[seen:]
 
-    wait_for(lambda: any("gateway.requests" in line for line in written()), 10, "the summary line", stack)
+    stack.wait_for(lambda: any("gateway.requests" in line for line in written()), 10, "the summary line")
     time.sleep(0.5)  # anything else about the two requests would be written by now
     summaries = [line for line in written() if "gateway.requests" in line]
     assert len(summaries) == 1 and "POST /v1/chat/completions 200" in summaries[0], written()

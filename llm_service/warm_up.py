@@ -1,0 +1,49 @@
+"""A few generations through the engine before the service reports SERVING.
+
+vLLM compiles some of its sampling code on first use, whatever `enforce_eager` says: the rank of
+each sampled token among the logprobs (`batched_count_greater_than`, torch.compile with inductor)
+is compiled by the first request that asks for logprobs, and compiled again for the first batch
+of more than one such request, when torch marks the batch size dynamic. On a machine whose
+compile cache is empty (a new pod) each compile took seconds on CPU (6 s with two busy cores; on
+a GPU, inductor builds Triton kernels), so the first users asking for logprobs waited that long
+for a token, and with a tight STALL_S the progress watch took the compiling engine for a hung
+one and restarted the service. Here the service pays it once, at start-up, before anyone waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from llm_service.engines.base import Engine, EngineRequest, SamplingParams
+from shared.sampling_limits import MAX_TOP_LOGPROBS
+
+logger = logging.getLogger(__name__)
+
+# Each knob a request may turn, so that every sampling path runs once: greedy and seeded
+# sampling, top_p, both penalties, logprobs with the most alternatives allowed.
+_GREEDY = SamplingParams(max_tokens=2, logprobs=MAX_TOP_LOGPROBS)
+_SAMPLED = SamplingParams(
+    max_tokens=2, temperature=1.0, top_p=0.9, seed=0, logprobs=MAX_TOP_LOGPROBS, presence_penalty=0.5,
+    frequency_penalty=0.5,
+)  # fmt: skip
+
+
+async def warm_up(engine: Engine) -> float:
+    """Runs one request alone, then two at once (a batch of two); returns the seconds it took."""
+    started = time.perf_counter()
+    prompt = engine.tokenizer.encode("Warm up.")
+    await _generate(engine, EngineRequest("warm-up-alone", prompt, sampling=_GREEDY))
+    await asyncio.gather(
+        _generate(engine, EngineRequest("warm-up-batch-0", prompt, sampling=_GREEDY)),
+        _generate(engine, EngineRequest("warm-up-batch-1", prompt, sampling=_SAMPLED)),
+    )
+    took = time.perf_counter() - started
+    logger.info("engine warmed up in %.2fs (sampling paths compiled before serving)", took)
+    return took
+
+
+async def _generate(engine: Engine, request: EngineRequest) -> None:
+    async for _ in engine.generate(request):
+        pass
