@@ -33,6 +33,10 @@ from tests.process_stack import GENERATE, ProcessStack, process_stack
 # (measured: 957 and over 1000); other prompts stop after a few dozen. Tests that need a stream to
 # outlive a fault check that it was still running.
 LONG_PROMPT = "hi"
+# Greedy, ft-a runs on this one to the end of its 2,048-token context (measured: 2,020 tokens, over
+# 4 s a choice on a host with AMX, where LONG_PROMPT's 957 took 1.7 s and four choices ended
+# before 6 s).
+CONTEXT_LONG_PROMPT = "a"
 
 
 @pytest.fixture(scope="module")
@@ -201,9 +205,9 @@ def test_clients_that_leave_before_any_output_cancel_their_generations(stack: Pr
 
     assert in_flight() == 0
     gone_before, gateway_slots_before = gone(), stack.metric("gateway", "gateway_chat_in_flight")
-    # The reference engine runs one generation at a time: four choices of ~1,000 tokens keep it
-    # busy for well over ten seconds, and a later request waits behind them for its first token.
-    busy = chat_body("ft-a", LONG_PROMPT, max_tokens=2000) | {"n": 4}
+    # The reference engine runs one generation at a time: four choices keep it busy for well over
+    # the 6 s, and a later request waits behind them for its first token.
+    busy = chat_body("ft-a", CONTEXT_LONG_PROMPT, max_tokens=4096) | {"n": 4}
     with ThreadPoolExecutor(1) as pool:
         busy_client = pool.submit(give_up_after, 6.0, busy)
         stack.wait_for(lambda: in_flight() == 4, 5, "the four choices at the LLM service")

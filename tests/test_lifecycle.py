@@ -196,19 +196,24 @@ def test_a_client_that_stops_reading_is_no_hung_engine(stack: ProcessStack) -> N
     assert rest[-1].finish_reason is not None and 1 + len(rest) > 100, (first, len(rest))
 
 
-def test_an_encoder_pass_past_its_stall_limit_fails_its_call_exits_and_is_relaunched(stack: ProcessStack) -> None:
+def test_an_encoder_pass_past_its_stall_limit_makes_the_encoder_exit_and_be_relaunched(stack: ProcessStack) -> None:
     """A hung GPU leaves the tower's pass running forever, which no CPU does on demand; a 64-frame
-    video, a pass of ~4.5 s on 2 cores, stands in for it against the 1 s limit. Before the
-    progress watch the encoder stayed SERVING whatever its tower did."""
+    video, a pass of 3-5 s on 2 cores, stands in for it against the 1 s limit. Before the
+    progress watch the encoder stayed SERVING whatever its tower did.
+
+    The encoder then drains its calls for 2 s before it exits (shared/grpc_server.py): a hung
+    pass never ends, so its call fails (503); this stand-in ends, and on a fast machine (AMX:
+    a pass of about 3 s) inside the drain, so its call may also be answered."""
     service = stack.service("encoder")
     old = service.process
     assert old is not None
     frames = [data_url(_solid_png(840, (index * 3, 40, 90))) for index in range(64)]
     started = time.monotonic()
     reply = httpx.post(f"{stack.base_url}/v1/videos/encode", json={"frames": frames}, timeout=60)
-    assert reply.status_code == 503, reply.text
-    assert reply.json()["error"]["code"] == "unavailable"
-    print(f"503 {time.monotonic() - started:.1f}s after the request: {reply.json()['error']['message']}")
+    assert reply.status_code in (200, 503), reply.text
+    if reply.status_code == 503:
+        assert reply.json()["error"]["code"] == "unavailable"
+    print(f"{reply.status_code} {time.monotonic() - started:.1f}s after the request: {reply.text[:200]}")
     assert old.wait(timeout=30) == 1, "an encoder whose tower hangs must exit non-zero, to be restarted"
     assert "the vision tower made no progress" in (stack.log_dir / "encoder.log").read_text()
     stack.wait_for(lambda: service.process is not old and stack.alive("encoder"), 30, "the relaunch")
