@@ -97,7 +97,7 @@ def test_a_streamed_chat_and_a_failed_one_are_summarised_once_each(stack: Stack)
             timeout=120,
         ) as response:  # fmt: skip
             events = [line for line in response.iter_lines() if line.startswith("data: {")]
-        unknown = {**body, "model": "no-such-model", "stream": False}
+        unknown = {**body, "model": "no-such-model", "stream": False, "stream_options": None}
         missing = httpx.post(
             f"{stack.base_url}/v1/chat/completions", json=unknown, headers={"x-request-id": "logs-404"}, timeout=60
         )
