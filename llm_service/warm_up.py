@@ -31,8 +31,8 @@ _SAMPLED = SamplingParams(
 )  # fmt: skip
 
 
-async def warm_up(engine: Engine) -> float:
-    """Runs one request alone, then two at once (a batch of two); returns the seconds it took."""
+async def warm_up(engine: Engine) -> None:
+    """Runs one request alone, then two at once (a batch of two), and logs the time it took."""
     started = time.perf_counter()
     prompt = engine.tokenizer.encode("Warm up.")
     await _generate(engine, EngineRequest("warm-up-alone", prompt, sampling=_GREEDY))
@@ -40,9 +40,7 @@ async def warm_up(engine: Engine) -> float:
         _generate(engine, EngineRequest("warm-up-batch-0", prompt, sampling=_GREEDY)),
         _generate(engine, EngineRequest("warm-up-batch-1", prompt, sampling=_SAMPLED)),
     )
-    took = time.perf_counter() - started
-    logger.info("engine warmed up in %.2fs (sampling paths compiled before serving)", took)
-    return took
+    logger.info("engine warmed up in %.2fs (sampling paths compiled before serving)", time.perf_counter() - started)
 
 
 async def _generate(engine: Engine, request: EngineRequest) -> None:

@@ -21,12 +21,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from scripts.stack import Ports, RunningStack, Service, StackConfig, start, wait_healthy
 from tests.harness import RedisServer
-from tests.metrics_text import metric_sum, scrape
+from tests.metrics_text import GENERATE_LABELS, metric_sum, scrape
 
-GENERATE = "/llm.v1.LLMService/Generate"
+GENERATE = GENERATE_LABELS["grpc_method"]
 # Settings every process-stack test wants: the reference engine, plain-text logs, and a drain long
 # enough that a SIGTERM test sees a stream finish before the grace period ends.
 TEST_ENV = {"LLM_ENGINE": "transformers", "GATEWAY_JSON_LOGS": "false", "LLM_GRACE_S": "60"}
+# The LLM services on vLLM, as in production, sized for the tiny checkpoints: a small KV cache, and
+# eager mode so that a (re)launch starts in seconds.
+VLLM_ENV = {"LLM_ENGINE": "vllm", "LLM_KV_CACHE_GIB": "1", "LLM_MAX_MODEL_LEN": "2048", "LLM_ENFORCE_EAGER": "true"}
 
 
 @dataclass

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from shared.sdk import LLMClient, Message, Sampling
-from tests.process_stack import ProcessStack, process_stack
+from tests.process_stack import VLLM_ENV, ProcessStack, process_stack
 
 STALL_S = 3.0
 
@@ -30,8 +30,7 @@ def fresh_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def stack(
     checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, fresh_cache: Path
 ) -> Iterator[ProcessStack]:
-    env = {"LLM_ENGINE": "vllm", "LLM_KV_CACHE_GIB": "1", "LLM_MAX_MODEL_LEN": "2048", "LLM_ENFORCE_EAGER": "true",
-           "LLM_STALL_S": str(STALL_S), "TORCHINDUCTOR_CACHE_DIR": str(fresh_cache)}  # fmt: skip
+    env = {**VLLM_ENV, "LLM_STALL_S": str(STALL_S), "TORCHINDUCTOR_CACHE_DIR": str(fresh_cache)}
     with process_stack(checkpoints, tmp_path_factory.mktemp("warm-up"), env=env, models=("ft-a",)) as running:
         yield running
 

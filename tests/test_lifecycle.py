@@ -25,22 +25,20 @@ from PIL import Image
 from shared.errors import ServiceError
 from shared.sdk import LLMClient, Message, Sampling
 from tests.images import data_url
-from tests.process_stack import ProcessStack, process_stack
+from tests.process_stack import VLLM_ENV, ProcessStack, process_stack
 
-# Tiny checkpoints on vLLM: a small KV cache, and eager mode so a relaunch starts in seconds. An
-# engine step of these takes milliseconds: 6 s without a token means a hung engine. The encoder's
-# passes over the images here take milliseconds too; its limit is low enough for a long video to
-# pass it (test_an_encoder_pass_past_its_stall_limit...).
+# The tiny checkpoints on vLLM (VLLM_ENV). An engine step of these takes milliseconds: 6 s without
+# a token means a hung engine. The encoder's passes over the images here take milliseconds too; its
+# limit is low enough for a long video to pass it (test_an_encoder_pass_past_its_stall_limit...).
 STALL_S = 6.0
 ENCODER_STALL_S = 1.0
-VLLM_ENV = {"LLM_ENGINE": "vllm", "LLM_KV_CACHE_GIB": "1", "LLM_MAX_MODEL_LEN": "2048", "LLM_ENFORCE_EAGER": "true",
-            "LLM_STALL_S": str(STALL_S), "ENCODER_STALL_S": str(ENCODER_STALL_S)}  # fmt: skip
+STALL_ENV = {**VLLM_ENV, "LLM_STALL_S": str(STALL_S), "ENCODER_STALL_S": str(ENCODER_STALL_S)}
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @pytest.fixture(scope="module")
 def processes(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessStack]:
-    with process_stack(checkpoints, tmp_path_factory.mktemp("lifecycle"), env=VLLM_ENV) as running:
+    with process_stack(checkpoints, tmp_path_factory.mktemp("lifecycle"), env=STALL_ENV) as running:
         yield running
 
 

@@ -25,7 +25,7 @@ from safetensors.torch import save as save_safetensors
 from model_builders.shapes import FINETUNES, trained_family
 from model_builders.shapes.task import TASKS, Scene, draw_examples
 from shared.sdk import EncoderClient, ImageKey, LLMClient, Message, Sampling
-from tests.process_stack import ProcessStack, process_stack
+from tests.process_stack import VLLM_ENV, ProcessStack, process_stack
 
 pytestmark = pytest.mark.e2e
 TEST_SEED = 20261202  # training used seeds 0-10 and 10001, 10008-10010 (model_builders/shapes/__main__.py)
@@ -33,7 +33,6 @@ ACCURACY_IMAGES = 120
 # Issue 13's target for every fine-tune on both engines (measured: color 1.000, count 0.983,
 # shape 0.983), far above chance (0.25 colour, 0.33 count and shape): a broken path falls below.
 TARGET_ACCURACY = 0.95
-VLLM_ENV = {"LLM_ENGINE": "vllm", "LLM_KV_CACHE_GIB": "1", "LLM_MAX_MODEL_LEN": "2048", "LLM_ENFORCE_EAGER": "true"}
 # Inline embeddings let the sensitivity test hand the models rows of its choosing.
 ENGINE_ENV = {
     engine: {**env, "GATEWAY_ALLOW_INLINE_EMBEDS": "true"}
