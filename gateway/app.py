@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import metrics, summary
@@ -18,6 +18,7 @@ from gateway.access import Admission, ApiKeys
 from gateway.backends import Backends
 from gateway.chat import generate, prepare
 from gateway.errors import install_error_handlers
+from gateway.event_response import EventStreamResponse
 from gateway.exchange import ExchangeMiddleware, on_exchange_end
 from gateway.openai_format import IndexedChunks, completion, event_stream
 from gateway.schemas import ChatCompletionRequest, EncodeImageRequest, EncodeMediaResponse, EncodeVideoRequest
@@ -75,7 +76,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     admission = app.state.admission = Admission(settings.max_concurrent_requests)
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | EventStreamResponse:
         """OpenAI chat completions; image parts are encoded once and shared by every model."""
         summary.current().model = body.model
         if body.model_extra:
@@ -98,7 +99,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             return JSONResponse(await completion(completion_id, body.model, body.n, chunks))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = event_stream(completion_id, body.model, body.n, await _primed(chunks), include_usage)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return EventStreamResponse(events)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
