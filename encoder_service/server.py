@@ -18,6 +18,7 @@ from encoder_service.settings import EncoderSettings
 from encoder_service.vision import Preprocessed, VisionEncoder
 from shared import readiness
 from shared.encoder_id import compute_encoder_id
+from shared.grpc_subcalls import SubcallChain
 from shared.model_paths import resolve_checkpoint
 from shared.pb.encoder.v1 import encoder_pb2, encoder_pb2_grpc
 from shared.progress_watch import ProgressWatch
@@ -120,7 +121,7 @@ async def start_encoder_server(settings: EncoderSettings, core: EncoderCore | No
     core = core or build_core(settings)
     core.batcher.start()
 
-    def register(server: grpc.aio.Server) -> None:
+    def register(server: grpc.aio.Server, _subcalls: SubcallChain) -> None:
         encoder_pb2_grpc.add_EncoderServiceServicer_to_server(EncoderServicer(core), server)
 
     return await start_service(EncoderServer, core, settings, SERVICE_NAME, register)

@@ -18,6 +18,7 @@ from llm_service.warm_up import warm_up
 from shared import readiness
 from shared.blob import BlobRules
 from shared.encoder_id import compute_encoder_id
+from shared.grpc_subcalls import SubcallChain
 from shared.model_paths import resolve_checkpoint
 from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc
 from shared.progress_watch import ProgressWatch
@@ -71,8 +72,8 @@ async def start_llm_server(settings: LLMSettings, core: LLMCore | None = None) -
     await warm_up(core.engine)
     limits = SamplingLimits(settings.default_max_tokens, settings.max_tokens_limit)
 
-    def register(server: grpc.aio.Server) -> None:
-        servicer = LLMServicer(core, limits, resolve_engine_name(settings.engine))
+    def register(server: grpc.aio.Server, subcalls: SubcallChain) -> None:
+        servicer = LLMServicer(core, limits, resolve_engine_name(settings.engine), subcalls)
         llm_pb2_grpc.add_LLMServiceServicer_to_server(servicer, server)
 
     return await start_service(LLMServer, core, settings, SERVICE_NAME, register)

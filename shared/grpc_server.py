@@ -26,6 +26,7 @@ from shared import readiness
 from shared.grpc_auth import TokenAuthInterceptor
 from shared.grpc_errors import ErrorMappingInterceptor
 from shared.grpc_metrics import MetricsInterceptor
+from shared.grpc_subcalls import SubcallChain
 from shared.grpc_wrap import within
 from shared.request_context import RequestContextInterceptor
 from shared.tracing import TracingInterceptor
@@ -72,21 +73,19 @@ class ServerSecurity:
         pair = (Path(key_file).read_bytes(), Path(cert_file).read_bytes()) if cert_file and key_file else None
         return cls(token or None, pair)
 
-    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        """Outermost first: refuse strangers, then name the request, trace it, time it, map its errors."""
-        auth = [TokenAuthInterceptor(self.token)] if self.token else []
-        return [
-            *auth,
-            RequestContextInterceptor(),
-            TracingInterceptor(),
-            MetricsInterceptor(),
-            ErrorMappingInterceptor(),
-        ]
+    def auth(self) -> list[grpc.aio.ServerInterceptor]:
+        """Refuses strangers: calls without the token, when one is set."""
+        return [TokenAuthInterceptor(self.token)] if self.token else []
 
     def bind(self, server: grpc.aio.Server, address: str) -> int:
         if self.tls_key_pair is None:
             return server.add_insecure_port(address)
         return server.add_secure_port(address, grpc.ssl_server_credentials([self.tls_key_pair]))
+
+
+def per_call_interceptors() -> list[grpc.aio.ServerInterceptor]:
+    """What every call goes through, outermost first: name the request, trace it, time it, map its errors."""
+    return [RequestContextInterceptor(), TracingInterceptor(), MetricsInterceptor(), ErrorMappingInterceptor()]
 
 
 # The health service name that liveness (and startup) probes ask for. It is SERVING from the moment
@@ -142,6 +141,7 @@ class RunningServer:
     port: int
     service_names: tuple[str, ...]
     in_flight: InFlight = field(default_factory=InFlight)
+    subcalls: SubcallChain = field(default_factory=lambda: SubcallChain([]))
     _readiness: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
 
     async def set_serving(self, serving: bool) -> None:
@@ -162,6 +162,7 @@ class RunningServer:
         """Readiness goes NOT_SERVING for good, new calls are refused, and the server stops as
         soon as the calls in flight have finished, or when `grace_s` runs out."""
         await self.health.enter_graceful_shutdown()  # NOT_SERVING, and nothing sets it back
+        self.subcalls.close()  # calls multiplexed on streams already open are refused from now on too
         if self._readiness is not None:
             self._readiness.cancel()
         stopping = asyncio.ensure_future(self.server.stop(grace_s))
@@ -173,8 +174,13 @@ class RunningServer:
         await stopping
 
 
+# Adds a service's servicers to the server; the chain is for servicers that serve calls multiplexed
+# over one stream (shared/grpc_subcalls.py).
+Register = Callable[[grpc.aio.Server, SubcallChain], None]
+
+
 async def start_server(
-    register: Callable[[grpc.aio.Server], None],
+    register: Register,
     service_names: Iterable[str],
     address: str,
     max_message_bytes: int,
@@ -182,10 +188,13 @@ async def start_server(
 ) -> RunningServer:
     """Starts a server with the given servicers; health stays NOT_SERVING until `set_serving(True)`
     or `follow_readiness`."""
-    in_flight = InFlight()
-    interceptors = [in_flight, *security.interceptors()]
+    in_flight, per_call = InFlight(), per_call_interceptors()
+    interceptors = [in_flight, *security.auth(), *per_call]
+    # The server's own interceptor objects, so inner calls count toward the drain as calls do; the
+    # token check is left out: the stream carrying them passed it.
+    subcalls = SubcallChain([in_flight, *per_call])
     server = grpc.aio.server(interceptors=interceptors, options=grpc_options(max_message_bytes))
-    register(server)
+    register(server, subcalls)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = tuple(service_names)
@@ -194,7 +203,7 @@ async def start_server(
     if port == 0:
         raise RuntimeError(f"could not bind gRPC server to {address}")
     await server.start()
-    running = RunningServer(server, health_servicer, port, names, in_flight)
+    running = RunningServer(server, health_servicer, port, names, in_flight, subcalls)
     await running.set_serving(False)
     await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     return running

@@ -10,15 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, NoReturn, TypeVar
 
-import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from shared import readiness
-from shared.grpc_server import RunningServer, serve_until_signal, start_server
+from shared.grpc_server import Register, RunningServer, serve_until_signal, start_server
 from shared.settings import GrpcServerSettings
 
 CoreT = TypeVar("CoreT")
@@ -98,7 +96,7 @@ async def start_service(
     core: object,
     settings: GrpcServerSettings,
     service_name: str,
-    register: Callable[[grpc.aio.Server], None],
+    register: Register,
 ) -> ServerT:
     """Binds and starts the gRPC server with the servicer `register` adds, then reports SERVING
     only while the server's readiness checks pass (until stop)."""

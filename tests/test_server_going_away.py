@@ -1,6 +1,7 @@
 """A call the server cancels (it is stopping: its drain ran out, or its engine died) reaches the
-client as Unavailable (503, retry elsewhere), not as an internal error (500). Real gRPC server and
-the SDK client, no mocks of either."""
+client as Unavailable (503, retry elsewhere), not as an internal error (500), whether the call
+is one of its own or multiplexed over GenerateMany. Real gRPC server and the SDK client, no mocks
+of either."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from llm_service.multiplex import MultiplexedStream
 from shared.errors import Unavailable
 from shared.grpc_server import start_server
+from shared.grpc_subcalls import SubcallChain
 from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc
 from shared.sdk import AsyncLLMClient, Message
 
@@ -26,6 +29,7 @@ class SlowLLM(llm_pb2_grpc.LLMServiceServicer):
     def __init__(self) -> None:
         self.started = asyncio.Event()
         self.work: asyncio.Task[None] | None = None
+        self.subcalls = SubcallChain([])
 
     async def Generate(
         self, request: llm_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -35,15 +39,24 @@ class SlowLLM(llm_pb2_grpc.LLMServiceServicer):
         await self.work
         yield llm_pb2.GenerateChunk(text="never")
 
+    async def GenerateMany(
+        self, calls: AsyncIterator[llm_pb2.MultiplexedCall], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[llm_pb2.MultiplexedEvents]:
+        stream = MultiplexedStream(self.subcalls, grpc.unary_stream_rpc_method_handler(self.Generate))
+        async for message in stream.serve(calls):
+            yield message
 
+    def register(self, server: grpc.aio.Server, subcalls: SubcallChain) -> None:
+        self.subcalls = subcalls
+        llm_pb2_grpc.add_LLMServiceServicer_to_server(self, server)
+
+
+@pytest.mark.parametrize("multiplex", [False, True], ids=["own call", "multiplexed"])
 @pytest.mark.parametrize("how", ["server stopped at once", "grace ran out", "work cancelled under the call"])
-async def test_a_call_the_server_cancels_is_unavailable(how: str) -> None:
+async def test_a_call_the_server_cancels_is_unavailable(how: str, multiplex: bool) -> None:
     servicer = SlowLLM()
-    running = await start_server(
-        lambda server: llm_pb2_grpc.add_LLMServiceServicer_to_server(servicer, server),
-        ["llm.v1.LLMService"], "127.0.0.1:0", 4 * 1024 * 1024,
-    )  # fmt: skip
-    async with AsyncLLMClient(f"127.0.0.1:{running.port}", timeout_s=30) as client:
+    running = await start_server(servicer.register, ["llm.v1.LLMService"], "127.0.0.1:0", 4 * 1024 * 1024)
+    async with AsyncLLMClient(f"127.0.0.1:{running.port}", timeout_s=30, multiplex=multiplex) as client:
 
         async def consume() -> None:
             async for _ in client.generate("m", [Message("user", ["hi"])]):

@@ -16,6 +16,58 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
+class MultiplexedCall(_message.Message):
+    __slots__ = ("call_id", "start", "cancel", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    start: GenerateRequest
+    cancel: bool
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, call_id: _Optional[int] = ..., start: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class MultiplexedEvents(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[MultiplexedEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[MultiplexedEvent, _Mapping]]] = ...) -> None: ...
+
+class MultiplexedEvent(_message.Message):
+    __slots__ = ("call_id", "chunk", "end")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    chunk: GenerateChunk
+    end: CallStatus
+    def __init__(self, call_id: _Optional[int] = ..., chunk: _Optional[_Union[GenerateChunk, _Mapping]] = ..., end: _Optional[_Union[CallStatus, _Mapping]] = ...) -> None: ...
+
+class CallStatus(_message.Message):
+    __slots__ = ("code", "details", "trailing_metadata")
+    class TrailingMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    TRAILING_METADATA_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    trailing_metadata: _containers.ScalarMap[str, str]
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., trailing_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
 class ImageRef(_message.Message):
     __slots__ = ("key", "embedding_blob")
     KEY_FIELD_NUMBER: _ClassVar[int]

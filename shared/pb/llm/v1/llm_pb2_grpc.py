@@ -44,6 +44,11 @@ class LLMServiceStub:
                 request_serializer=llm_dot_v1_dot_llm__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=llm_dot_v1_dot_llm__pb2.ListModelsReply.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/llm.v1.LLMService/GenerateMany',
+                request_serializer=llm_dot_v1_dot_llm__pb2.MultiplexedCall.SerializeToString,
+                response_deserializer=llm_dot_v1_dot_llm__pb2.MultiplexedEvents.FromString,
+                _registered_method=True)
 
 
 class LLMServiceServicer:
@@ -69,6 +74,17 @@ class LLMServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateMany(self, request_iterator, context):
+        """Many Generate calls over one stream, for a caller that makes many at once
+        (the gateway): each call is started, answered and ended exactly as by
+        Generate, with the same errors, but shares one HTTP/2 stream, so a call
+        costs no stream set-up and the chunks of many calls travel together.
+        The stream itself ends only when the caller ends it or the service stops.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LLMServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -81,6 +97,11 @@ def add_LLMServiceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=llm_dot_v1_dot_llm__pb2.ListModelsRequest.FromString,
                     response_serializer=llm_dot_v1_dot_llm__pb2.ListModelsReply.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=llm_dot_v1_dot_llm__pb2.MultiplexedCall.FromString,
+                    response_serializer=llm_dot_v1_dot_llm__pb2.MultiplexedEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -137,6 +158,33 @@ class LLMService:
             '/llm.v1.LLMService/ListModels',
             llm_dot_v1_dot_llm__pb2.ListModelsRequest.SerializeToString,
             llm_dot_v1_dot_llm__pb2.ListModelsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/llm.v1.LLMService/GenerateMany',
+            llm_dot_v1_dot_llm__pb2.MultiplexedCall.SerializeToString,
+            llm_dot_v1_dot_llm__pb2.MultiplexedEvents.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,207 @@
+"""Generate calls multiplexed over GenerateMany streams (proto/llm/v1/llm.proto), client side.
+
+Each call is started, read and cancelled as a Generate call of its own would be, and ends the
+same way: its chunks, then either nothing (OK) or a `MultiplexedCallError`, an RpcError with the
+status and trailing metadata Generate would have ended with, so callers map it to the same domain
+error (shared.grpc_errors.error_from_rpc). When the stream breaks (the service died, the connection
+dropped), every call open on it fails with the stream's status, as calls on that connection would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncGenerator, Sequence
+
+import grpc
+from opentelemetry import propagate
+
+from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc
+
+# A stream takes new calls for this long, then the next call opens a new one and the old one ends
+# with its last call. A new stream goes on the channel's current connection: servers age theirs
+# out (shared.grpc_server.MAX_CONNECTION_AGE_MS) so that clients re-resolve and find new pods, and
+# a stream kept open forever would pin the first connection.
+ROTATE_S = 60.0
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class MultiplexedCallError(grpc.RpcError):
+    """A multiplexed call that did not end OK, shaped as the RpcError of a call of its own."""
+
+    def __init__(
+        self, code: grpc.StatusCode, details: str, trailing: Sequence[tuple[str, str]] = (), of_stream: bool = False
+    ) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details, self._trailing = code, details, tuple(trailing)
+        self.of_stream = of_stream  # the GenerateMany stream's own status, not the call's end
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._trailing
+
+
+class MultiplexUnsupported(Exception):
+    """The service has no GenerateMany (a version before it, as during a rolling upgrade). Raised
+    before the call reached the service: it is safe to make it as a call of its own."""
+
+
+_Arrival = llm_pb2.GenerateChunk | MultiplexedCallError | None  # None: the call ended OK
+
+
+def _ending(status: llm_pb2.CallStatus) -> MultiplexedCallError | None:
+    code = _STATUS_CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+    if code == grpc.StatusCode.OK:
+        return None
+    return MultiplexedCallError(code, status.details, tuple(status.trailing_metadata.items()))
+
+
+class _Stream:
+    """One GenerateMany call: a writer task sends starts and cancels in order, a reader task hands
+    each event to its call's queue."""
+
+    def __init__(self, stub: llm_pb2_grpc.LLMServiceStub, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._rpc = stub.GenerateMany(metadata=metadata)
+        self.opened = time.monotonic()
+        self.calls: dict[int, asyncio.Queue[_Arrival]] = {}
+        self.failure: MultiplexedCallError | None = None  # set once the stream broke or ended
+        self._retired = False
+        self._outbox: asyncio.Queue[llm_pb2.MultiplexedCall | None] = asyncio.Queue()
+        self._writer = asyncio.create_task(self._write())
+        self._reader = asyncio.create_task(self._read())
+
+    def start(
+        self, call_id: int, request: llm_pb2.GenerateRequest, metadata: dict[str, str]
+    ) -> asyncio.Queue[_Arrival]:
+        queue: asyncio.Queue[_Arrival] = asyncio.Queue()
+        if self.failure is not None:
+            queue.put_nowait(self.failure)
+            return queue
+        self.calls[call_id] = queue
+        self._outbox.put_nowait(llm_pb2.MultiplexedCall(call_id=call_id, start=request, metadata=metadata))
+        return queue
+
+    def cancel(self, call_id: int) -> None:
+        """Stops a call nobody reads any more; the service cancels its generation."""
+        if self.calls.pop(call_id, None) is not None and self.failure is None:
+            self._outbox.put_nowait(llm_pb2.MultiplexedCall(call_id=call_id, cancel=True))
+        self._end_if_done()
+
+    def retire(self) -> None:
+        """Takes no new calls; the stream ends once its open calls have."""
+        self._retired = True
+        self._end_if_done()
+
+    async def close(self) -> None:
+        self._rpc.cancel()
+        for task in (self._writer, self._reader):
+            task.cancel()
+        await asyncio.gather(self._writer, self._reader, return_exceptions=True)
+
+    def _end_if_done(self) -> None:
+        if self._retired and not self.calls:
+            self._outbox.put_nowait(None)
+
+    async def _write(self) -> None:
+        try:
+            while (message := await self._outbox.get()) is not None:
+                await self._rpc.write(message)
+            await self._rpc.done_writing()
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            pass  # the stream broke: the reader reports how, to every open call
+
+    async def _read(self) -> None:
+        try:
+            async for message in self._rpc:
+                for event in message.events:
+                    self._deliver(event)
+            failure = MultiplexedCallError(
+                grpc.StatusCode.UNAVAILABLE, "the service ended the multiplexed stream", of_stream=True
+            )
+        except grpc.RpcError as error:  # grpc.aio.AioRpcError: the stream's own status
+            trailing = tuple(error.trailing_metadata() or ()) if isinstance(error, grpc.aio.AioRpcError) else ()
+            failure = MultiplexedCallError(error.code(), error.details() or error.code().name, trailing, True)
+        self.failure = failure
+        self._writer.cancel()
+        calls, self.calls = self.calls, {}
+        for queue in calls.values():
+            queue.put_nowait(failure)
+
+    def _deliver(self, event: llm_pb2.MultiplexedEvent) -> None:
+        if event.HasField("chunk"):
+            queue = self.calls.get(event.call_id)
+            if queue is not None:  # else cancelled meanwhile
+                queue.put_nowait(event.chunk)
+            return
+        queue = self.calls.pop(event.call_id, None)
+        if queue is not None:
+            queue.put_nowait(_ending(event.end))
+        self._end_if_done()
+
+
+class GenerateMultiplexer:
+    """The Generate calls of one client, over one GenerateMany stream at a time."""
+
+    def __init__(self, channel: grpc.aio.Channel, stream_metadata: tuple[tuple[str, str], ...]) -> None:
+        self._stub = llm_pb2_grpc.LLMServiceStub(channel)
+        self._stream_metadata = stream_metadata
+        self._stream: _Stream | None = None
+        self._retired: set[_Stream] = set()
+        self._call_ids = itertools.count(1)
+
+    async def generate(
+        self, request: llm_pb2.GenerateRequest, request_id: str | None, timeout_s: float
+    ) -> AsyncGenerator[llm_pb2.GenerateChunk, None]:
+        """The call's chunks; raises MultiplexedCallError as it ends, unless it ended OK. Past
+        `timeout_s` it is cancelled and ends DEADLINE_EXCEEDED, as a call with that deadline."""
+        stream, call_id = self._current(), next(self._call_ids)
+        queue = stream.start(call_id, request, _call_metadata(request_id))
+        # A timer that queues the deadline's error: `asyncio.timeout` cannot span a generator's
+        # yields (it would cancel whatever its consumer does at that moment).
+        deadline = MultiplexedCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        timer = asyncio.get_running_loop().call_later(timeout_s, queue.put_nowait, deadline)
+        ended = False
+        try:
+            while (arrival := await queue.get()) is not None:
+                if isinstance(arrival, MultiplexedCallError):
+                    ended = arrival is not deadline
+                    if arrival.of_stream and arrival.code() == grpc.StatusCode.UNIMPLEMENTED:
+                        raise MultiplexUnsupported()
+                    raise arrival
+                yield arrival
+            ended = True
+        finally:
+            timer.cancel()
+            if not ended:
+                stream.cancel(call_id)
+
+    async def close(self) -> None:
+        streams = [*self._retired, *([self._stream] if self._stream else [])]
+        self._stream, self._retired = None, set()
+        await asyncio.gather(*(stream.close() for stream in streams))
+
+    def _current(self) -> _Stream:
+        stream = self._stream
+        if stream is not None and stream.failure is None and time.monotonic() - stream.opened < ROTATE_S:
+            return stream
+        if stream is not None:
+            stream.retire()
+            self._retired = {s for s in self._retired if s.failure is None} | {stream}
+        self._stream = _Stream(self._stub, self._stream_metadata)
+        return self._stream
+
+
+def _call_metadata(request_id: str | None) -> dict[str, str]:
+    """What a Generate call of its own would send per call: its request id and, when tracing is
+    on, the caller's trace context (with tracing off, nothing is injected)."""
+    metadata: dict[str, str] = {}
+    propagate.inject(metadata)
+    if request_id:
+        metadata["x-request-id"] = request_id
+    return metadata

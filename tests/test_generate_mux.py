@@ -1,0 +1,204 @@
+"""GenerateMany: many Generate calls over one stream (llm_service/multiplex.py and
+shared/sdk/generate_mux.py), which the gateway uses for every generation.
+
+Against a real LLM service (the test stack's, on its engine) and real gRPC servers: a multiplexed
+call gives the tokens, the errors, the cancellation and the deadline that a call of its own gives;
+a service that stops refuses new multiplexed calls while those in flight finish; a client whose
+token is wrong is refused; a service without GenerateMany (an older version, mid-upgrade) is
+served by calls of their own."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+import grpc
+import pytest
+
+from llm_service.multiplex import MultiplexedStream
+from shared.errors import EmbeddingNotFound, ServiceError, Unavailable
+from shared.grpc_server import RunningServer, ServerSecurity, start_server
+from shared.grpc_subcalls import SubcallChain
+from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc
+from shared.sdk import AsyncEncoderClient, AsyncLLMClient, ChannelConfig, ImageKey, Message, Sampling
+from tests.harness import Stack
+from tests.images import png_bytes
+
+# Starts processes of its own (see the tiers in tests/conftest.py).
+pytestmark = pytest.mark.integration
+
+QUESTIONS = ["What is this?", "Describe it.", "Which colour?", "How many?", "Where?", "Why so?"]
+
+
+async def _outcome(llm: AsyncLLMClient, model: str, content: list[object], sampling: Sampling) -> object:
+    """What a call gave: its (token ids, finish reason, usage), or its error as (class, message, param)."""
+    try:
+        chunks = [c async for c in llm.generate(model, [Message("user", content)], sampling)]
+    except ServiceError as error:
+        return type(error).__name__, str(error), error.param, getattr(error, "keys", None)
+    last = chunks[-1]
+    return [t for c in chunks for t in c.token_ids], last.finish_reason, last.prompt_tokens, last.completion_tokens
+
+
+def test_multiplexed_calls_give_the_tokens_and_errors_of_calls_of_their_own(stack: Stack) -> None:
+    target = stack.llm_target("ft-a")
+
+    async def run() -> tuple[list[object], list[object]]:
+        async with (
+            AsyncEncoderClient(stack.encoder_target) as encoder,
+            AsyncLLMClient(target) as own,
+            AsyncLLMClient(target, multiplex=True) as shared,
+        ):
+            key = (await encoder.encode(image_bytes=png_bytes(95))).key
+            absent = ImageKey(key[:-64] + "0" * 64)
+            greedy = Sampling(max_tokens=12)
+            cases: list[tuple[list[object], Sampling]] = [([ImageKey(key), q], greedy) for q in QUESTIONS]
+            cases += [
+                ([absent, "hi"], greedy),  # NOT_FOUND, with the missing key
+                (["hi"], Sampling(max_tokens=10**6)),  # INVALID_ARGUMENT, naming the parameter
+                ([ImageKey(key), "<|image_pad|>"], greedy),  # INVALID_ARGUMENT from the prompt
+            ]
+            alone = [await _outcome(own, "ft-a", content, sampling) for content, sampling in cases]
+            together = await asyncio.gather(*(_outcome(shared, "ft-a", c, s) for c, s in cases))
+            return alone, list(together)
+
+    alone, together = asyncio.run(run())
+    assert together == alone
+    tokens = [outcome[0] for outcome in alone[: len(QUESTIONS)]]
+    assert len({tuple(t) for t in tokens}) > 1, "the questions should give different answers"  # type: ignore[arg-type]
+    assert alone[len(QUESTIONS)][0] == EmbeddingNotFound.__name__
+
+
+def test_a_multiplexed_call_left_early_or_past_its_deadline_stops_in_the_engine(stack: Stack) -> None:
+    engine = stack.llms["ft-a"].core.engine
+    if not hasattr(engine, "num_unfinished_requests"):
+        pytest.skip("ft-a is not served by vLLM here (vLLM not installed)")
+    long = Sampling(max_tokens=1990)
+
+    async def leave_early() -> None:
+        async with AsyncLLMClient(stack.llm_target("ft-a"), multiplex=True) as llm:
+            stream = llm.generate("ft-a", [Message("user", ["tell me everything"])], long)
+            await anext(stream)
+            await stream.aclose()  # the client goes away after the first chunk
+            await _stopped_in_the_engine(engine)
+
+    async def outlast_the_deadline(multiplex: bool) -> str:
+        async with AsyncLLMClient(stack.llm_target("ft-a"), timeout_s=0.5, multiplex=multiplex) as llm:
+            with pytest.raises(ServiceError) as raised:
+                [c async for c in llm.generate("ft-a", [Message("user", ["tell me everything"])], long)]
+            await _stopped_in_the_engine(engine)
+        return type(raised.value).__name__
+
+    asyncio.run(leave_early())
+    assert asyncio.run(outlast_the_deadline(True)) == asyncio.run(outlast_the_deadline(False)) == "DeadlineExceeded"
+
+
+async def _stopped_in_the_engine(engine: object) -> None:
+    left_at = time.monotonic()
+    while engine.num_unfinished_requests() and time.monotonic() - left_at < 10:  # type: ignore[attr-defined]
+        await asyncio.sleep(0.02)
+    assert engine.num_unfinished_requests() == 0  # type: ignore[attr-defined]
+    assert time.monotonic() - left_at < 2.0, "the request ran on after its client left"
+
+
+class HeldLLM(llm_pb2_grpc.LLMServiceServicer):
+    """Answers each Generate with one chunk once `release` is set; serves GenerateMany as the LLM
+    service does, through the server's per-call interceptors."""
+
+    def __init__(self, subcalls: SubcallChain) -> None:
+        self.subcalls = subcalls
+        self.release = asyncio.Event()
+        self.started = 0
+
+    async def Generate(
+        self, request: llm_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[llm_pb2.GenerateChunk]:
+        self.started += 1
+        await self.release.wait()
+        yield llm_pb2.GenerateChunk(text=request.request_id, finish_reason=llm_pb2.FINISH_REASON_STOP)
+
+    async def GenerateMany(
+        self, calls: AsyncIterator[llm_pb2.MultiplexedCall], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[llm_pb2.MultiplexedEvents]:
+        stream = MultiplexedStream(self.subcalls, grpc.unary_stream_rpc_method_handler(self.Generate))
+        async for message in stream.serve(calls):
+            yield message
+
+
+class OlderLLM(llm_pb2_grpc.LLMServiceServicer):
+    """A service from before GenerateMany: the generated base class answers it UNIMPLEMENTED."""
+
+    async def Generate(
+        self, request: llm_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[llm_pb2.GenerateChunk]:
+        yield llm_pb2.GenerateChunk(text="old", finish_reason=llm_pb2.FINISH_REASON_STOP)
+
+
+ServicerT = TypeVar("ServicerT", bound=llm_pb2_grpc.LLMServiceServicer)
+
+
+async def _serve(
+    make: Callable[[SubcallChain], ServicerT], token: str | None = None
+) -> tuple[RunningServer, ServicerT]:
+    made: list[ServicerT] = []
+
+    def register(server: grpc.aio.Server, subcalls: SubcallChain) -> None:
+        made.append(make(subcalls))
+        llm_pb2_grpc.add_LLMServiceServicer_to_server(made[0], server)
+
+    security = ServerSecurity(token=token)
+    running = await start_server(register, ["llm.v1.LLMService"], "127.0.0.1:0", 4 * 1024 * 1024, security)
+    return running, made[0]
+
+
+async def _texts(llm: AsyncLLMClient, request_id: str) -> list[str]:
+    return [c.text async for c in llm.generate("m", [Message("user", ["hi"])], request_id=request_id)]
+
+
+def test_a_stopping_service_finishes_its_multiplexed_calls_and_refuses_new_ones() -> None:
+    async def run() -> None:
+        running, servicer = await _serve(HeldLLM)
+        async with AsyncLLMClient(f"127.0.0.1:{running.port}", multiplex=True) as llm:
+            in_flight = asyncio.create_task(_texts(llm, "first"))
+            while servicer.started < 1:
+                await asyncio.sleep(0.01)
+            stopping = asyncio.create_task(running.stop(10.0))
+            await asyncio.sleep(0.2)
+            with pytest.raises(Unavailable, match="shutting down"):
+                await asyncio.wait_for(_texts(llm, "second"), 5)
+            assert servicer.started == 1 and not in_flight.done()
+            servicer.release.set()
+            assert await asyncio.wait_for(in_flight, 5) == ["first"]
+            await asyncio.wait_for(stopping, 5)
+
+    asyncio.run(run())
+
+
+def test_a_multiplexing_client_with_a_wrong_token_is_refused_as_a_call_of_its_own_is() -> None:
+    async def run() -> list[str]:
+        running, _ = await _serve(HeldLLM, token="right")
+        refused = []
+        for multiplex in (False, True):
+            config = ChannelConfig(token="wrong")
+            async with AsyncLLMClient(f"127.0.0.1:{running.port}", config=config, multiplex=multiplex) as llm:
+                with pytest.raises(ServiceError) as raised:
+                    await asyncio.wait_for(_texts(llm, "x"), 5)
+                refused.append(type(raised.value).__name__)
+        await running.stop(0)
+        return refused
+
+    assert asyncio.run(run()) == ["Unauthenticated", "Unauthenticated"]
+
+
+def test_a_service_without_generate_many_is_served_by_calls_of_their_own() -> None:
+    async def run() -> list[list[str]]:
+        running, _ = await _serve(lambda _subcalls: OlderLLM())
+        async with AsyncLLMClient(f"127.0.0.1:{running.port}", multiplex=True) as llm:
+            answers = list(await asyncio.gather(*(_texts(llm, str(i)) for i in range(3))))
+            answers.append(await _texts(llm, "later"))
+        await running.stop(0)
+        return answers
+
+    assert asyncio.run(run()) == [["old"]] * 4
