@@ -48,7 +48,8 @@ class Rotation:
 class Backends:
     def __init__(self, settings: GatewaySettings) -> None:
         # The trace context goes with every call when tracing is on (shared/tracing.py).
-        timeout, config = settings.request_timeout_s, settings.channel_config(tracing.client_interceptors())
+        config = settings.channel_config(tracing.client_interceptors(), tracing.client_call_metadata())
+        timeout = settings.request_timeout_s
         self._health_config = config
         self.encoder = AsyncEncoderClient(settings.encoder_target, timeout, config)
         self._models: dict[str, list[AsyncLLMClient]] = {

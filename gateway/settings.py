@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -61,6 +62,10 @@ class GatewaySettings(BaseSettings):
     json_logs: bool = Field(True, description="Structured JSON log lines (with the request id) instead of plain text.")
     log_level: str = Field("INFO", description="Python logging level.")
 
-    def channel_config(self, aio_interceptors: tuple[grpc.aio.ClientInterceptor, ...] = ()) -> ChannelConfig:
+    def channel_config(
+        self,
+        aio_interceptors: tuple[grpc.aio.ClientInterceptor, ...] = (),
+        call_metadata: Callable[[], dict[str, str]] | None = None,
+    ) -> ChannelConfig:
         roots = Path(self.grpc_tls_ca_file).read_bytes() if self.grpc_tls_ca_file else None
-        return ChannelConfig(self.grpc_max_message_bytes, self.grpc_token, roots, aio_interceptors)
+        return ChannelConfig(self.grpc_max_message_bytes, self.grpc_token, roots, aio_interceptors, call_metadata)

@@ -169,9 +169,15 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
         return within(handler, lambda context: _traced_call(method, labels, context))
 
 
-def _with_trace_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+def trace_context() -> dict[str, str]:
+    """The trace context in force, as call metadata (`traceparent`, `tracestate`); empty when none."""
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
+    return carrier
+
+
+def _with_trace_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    carrier = trace_context()
     if not carrier:
         return details
     metadata = grpc.aio.Metadata(*(details.metadata or ()), *carrier.items())
@@ -199,3 +205,9 @@ def client_interceptors() -> tuple[grpc.aio.ClientInterceptor, ...]:
     """What a process's async gRPC clients install (shared.sdk.ChannelConfig.aio_interceptors): the
     propagators when tracing is on, none when off (an interceptor costs every call)."""
     return (TraceContextUnaryInterceptor(), TraceContextStreamInterceptor()) if enabled() else ()
+
+
+def client_call_metadata() -> Callable[[], dict[str, str]] | None:
+    """The same for calls no interceptor sees (shared.sdk.ChannelConfig.call_metadata): the trace
+    context when tracing is on, nothing when off."""
+    return trace_context if enabled() else None

@@ -127,13 +127,22 @@ class HeldLLM(llm_pb2_grpc.LLMServiceServicer):
             yield message
 
 
-class OlderLLM(llm_pb2_grpc.LLMServiceServicer):
-    """A service from before GenerateMany: the generated base class answers it UNIMPLEMENTED."""
+async def _old_generate(
+    request: llm_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+) -> AsyncIterator[llm_pb2.GenerateChunk]:
+    yield llm_pb2.GenerateChunk(text="old", finish_reason=llm_pb2.FINISH_REASON_STOP)
 
-    async def Generate(
-        self, request: llm_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[llm_pb2.GenerateChunk]:
-        yield llm_pb2.GenerateChunk(text="old", finish_reason=llm_pb2.FINISH_REASON_STOP)
+
+def _register_an_older_service(server: grpc.aio.Server, _subcalls: SubcallChain) -> None:
+    """The service as it was before GenerateMany: Generate only (gRPC answers GenerateMany UNIMPLEMENTED)."""
+    generate = grpc.unary_stream_rpc_method_handler(
+        _old_generate,
+        request_deserializer=llm_pb2.GenerateRequest.FromString,
+        response_serializer=llm_pb2.GenerateChunk.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("llm.v1.LLMService", {"Generate": generate}),)
+    )
 
 
 ServicerT = TypeVar("ServicerT", bound=llm_pb2_grpc.LLMServiceServicer)
@@ -194,7 +203,7 @@ def test_a_multiplexing_client_with_a_wrong_token_is_refused_as_a_call_of_its_ow
 
 def test_a_service_without_generate_many_is_served_by_calls_of_their_own() -> None:
     async def run() -> list[list[str]]:
-        running, _ = await _serve(lambda _subcalls: OlderLLM())
+        running = await start_server(_register_an_older_service, ["llm.v1.LLMService"], "127.0.0.1:0", 4 * 1024 * 1024)
         async with AsyncLLMClient(f"127.0.0.1:{running.port}", multiplex=True) as llm:
             answers = list(await asyncio.gather(*(_texts(llm, str(i)) for i in range(3))))
             answers.append(await _texts(llm, "later"))

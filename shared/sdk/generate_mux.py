@@ -12,10 +12,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 import grpc
-from opentelemetry import propagate
 
 from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc
 
@@ -148,9 +147,15 @@ class _Stream:
 class GenerateMultiplexer:
     """The Generate calls of one client, over one GenerateMany stream at a time."""
 
-    def __init__(self, channel: grpc.aio.Channel, stream_metadata: tuple[tuple[str, str], ...]) -> None:
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        stream_metadata: tuple[tuple[str, str], ...],
+        call_metadata: Callable[[], dict[str, str]] | None = None,
+    ) -> None:
         self._stub = llm_pb2_grpc.LLMServiceStub(channel)
         self._stream_metadata = stream_metadata
+        self._call_metadata = call_metadata  # e.g. the caller's trace context (ChannelConfig.call_metadata)
         self._stream: _Stream | None = None
         self._retired: set[_Stream] = set()
         self._call_ids = itertools.count(1)
@@ -161,7 +166,10 @@ class GenerateMultiplexer:
         """The call's chunks; raises MultiplexedCallError as it ends, unless it ended OK. Past
         `timeout_s` it is cancelled and ends DEADLINE_EXCEEDED, as a call with that deadline."""
         stream, call_id = self._current(), next(self._call_ids)
-        queue = stream.start(call_id, request, _call_metadata(request_id))
+        metadata = self._call_metadata() if self._call_metadata is not None else {}
+        if request_id:
+            metadata["x-request-id"] = request_id
+        queue = stream.start(call_id, request, metadata)
         # A timer that queues the deadline's error: `asyncio.timeout` cannot span a generator's
         # yields (it would cancel whatever its consumer does at that moment).
         deadline = MultiplexedCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
@@ -195,13 +203,3 @@ class GenerateMultiplexer:
             self._retired = {s for s in self._retired if s.failure is None} | {stream}
         self._stream = _Stream(self._stub, self._stream_metadata)
         return self._stream
-
-
-def _call_metadata(request_id: str | None) -> dict[str, str]:
-    """What a Generate call of its own would send per call: its request id and, when tracing is
-    on, the caller's trace context (with tracing off, nothing is injected)."""
-    metadata: dict[str, str] = {}
-    propagate.inject(metadata)
-    if request_id:
-        metadata["x-request-id"] = request_id
-    return metadata

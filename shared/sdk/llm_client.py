@@ -46,7 +46,11 @@ class AsyncLLMClient(AsyncClient):
         self, target: str, timeout_s: float = 300.0, config: ChannelConfig | None = None, multiplex: bool = False
     ) -> None:
         super().__init__(SERVICE, llm_pb2_grpc.LLMServiceStub, target, timeout_s, config)
-        self._mux = GenerateMultiplexer(self._channel, call_metadata(self._config.token)) if multiplex else None
+        self._mux = (
+            GenerateMultiplexer(self._channel, call_metadata(self._config.token), self._config.call_metadata)
+            if multiplex
+            else None
+        )
 
     async def generate(
         self, model: str, messages: list[Message], sampling: Sampling | None = None, request_id: str | None = None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -45,12 +46,15 @@ KEEPALIVE_TIMEOUT_MS = 5_000
 @dataclass(frozen=True)
 class ChannelConfig:
     """How a client reaches a service: message size cap, shared token, TLS roots (PEM), and
-    interceptors of the async clients' calls (e.g. shared.tracing's, which sends the trace context)."""
+    interceptors of the async clients' calls (e.g. shared.tracing's, which sends the trace context).
+    `call_metadata` gives what those interceptors add, for the calls no interceptor sees: those
+    multiplexed over one stream (shared/sdk/generate_mux.py)."""
 
     max_message_bytes: int = DEFAULT_GRPC_MAX_MESSAGE_BYTES
     token: str | None = None
     tls_root_certs: bytes | None = None
     aio_interceptors: tuple[grpc.aio.ClientInterceptor, ...] = ()
+    call_metadata: Callable[[], dict[str, str]] | None = None
 
     def open(self, target: str, *, aio: bool) -> grpc.Channel | grpc.aio.Channel:
         options = channel_options(self.max_message_bytes)
