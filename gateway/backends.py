@@ -53,7 +53,7 @@ class Backends:
         self._health_config = config
         self.encoder = AsyncEncoderClient(settings.encoder_target, timeout, config)
         self._models: dict[str, list[AsyncLLMClient]] = {
-            name: [AsyncLLMClient(target, timeout, config, settings.multiplex_generate) for target in targets]
+            name: [AsyncLLMClient(target, timeout, config, settings.generate_streams) for target in targets]
             for name, targets in settings.models.items()
         }
         self._rotations = {name: Rotation(clients) for name, clients in self._models.items()}

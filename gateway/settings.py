@@ -50,10 +50,11 @@ class GatewaySettings(BaseSettings):
         False, description="Accept inline image_embeds tensors (stored keys are always accepted)."
     )
     max_concurrent_requests: int = Field(256, gt=0, description="Chat completions in flight before new ones get 429.")
-    multiplex_generate: bool = Field(
-        True,
-        description="Send the generations for each LLM service over one GenerateMany stream (less CPU per "
-        "request on both sides); false: one Generate call per generation.",
+    generate_streams: int = Field(
+        8,
+        ge=0,
+        description="GenerateMany streams per LLM service target that carry its generations (less CPU per "
+        "request on both sides); at least the replicas a target may resolve to. 0: one Generate call each.",
     )
     grpc_token: str | None = Field(None, description="Shared token sent to the gRPC services (their *_GRPC_TOKEN).")
     grpc_tls_ca_file: str | None = Field(

@@ -10,6 +10,7 @@ served by calls of their own."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
@@ -49,7 +50,7 @@ def test_multiplexed_calls_give_the_tokens_and_errors_of_calls_of_their_own(stac
         async with (
             AsyncEncoderClient(stack.encoder_target) as encoder,
             AsyncLLMClient(target) as own,
-            AsyncLLMClient(target, multiplex=True) as shared,
+            AsyncLLMClient(target, multiplex=4) as shared,
         ):
             key = (await encoder.encode(image_bytes=png_bytes(95))).key
             absent = ImageKey(key[:-64] + "0" * 64)
@@ -78,13 +79,13 @@ def test_a_multiplexed_call_left_early_or_past_its_deadline_stops_in_the_engine(
     long = Sampling(max_tokens=1990)
 
     async def leave_early() -> None:
-        async with AsyncLLMClient(stack.llm_target("ft-a"), multiplex=True) as llm:
+        async with AsyncLLMClient(stack.llm_target("ft-a"), multiplex=4) as llm:
             stream = llm.generate("ft-a", [Message("user", ["tell me everything"])], long)
             await anext(stream)
             await stream.aclose()  # the client goes away after the first chunk
             await _stopped_in_the_engine(engine)
 
-    async def outlast_the_deadline(multiplex: bool) -> str:
+    async def outlast_the_deadline(multiplex: int) -> str:
         async with AsyncLLMClient(stack.llm_target("ft-a"), timeout_s=0.5, multiplex=multiplex) as llm:
             with pytest.raises(ServiceError) as raised:
                 [c async for c in llm.generate("ft-a", [Message("user", ["tell me everything"])], long)]
@@ -92,7 +93,7 @@ def test_a_multiplexed_call_left_early_or_past_its_deadline_stops_in_the_engine(
         return type(raised.value).__name__
 
     asyncio.run(leave_early())
-    assert asyncio.run(outlast_the_deadline(True)) == asyncio.run(outlast_the_deadline(False)) == "DeadlineExceeded"
+    assert asyncio.run(outlast_the_deadline(4)) == asyncio.run(outlast_the_deadline(0)) == "DeadlineExceeded"
 
 
 async def _stopped_in_the_engine(engine: object) -> None:
@@ -169,7 +170,9 @@ async def _texts(llm: AsyncLLMClient, request_id: str) -> list[str]:
 def test_a_stopping_service_finishes_its_multiplexed_calls_and_refuses_new_ones() -> None:
     async def run() -> None:
         running, servicer = await _serve(HeldLLM)
-        async with AsyncLLMClient(f"127.0.0.1:{running.port}", multiplex=True) as llm:
+        # One stream: the second call goes on the stream already open (a new one would be refused
+        # by the stopped listener, Unavailable too, before it reached the service).
+        async with AsyncLLMClient(f"127.0.0.1:{running.port}", multiplex=1) as llm:
             in_flight = asyncio.create_task(_texts(llm, "first"))
             while servicer.started < 1:
                 await asyncio.sleep(0.01)
@@ -189,7 +192,7 @@ def test_a_multiplexing_client_with_a_wrong_token_is_refused_as_a_call_of_its_ow
     async def run() -> list[str]:
         running, _ = await _serve(HeldLLM, token="right")
         refused = []
-        for multiplex in (False, True):
+        for multiplex in (0, 4):
             config = ChannelConfig(token="wrong")
             async with AsyncLLMClient(f"127.0.0.1:{running.port}", config=config, multiplex=multiplex) as llm:
                 with pytest.raises(ServiceError) as raised:
@@ -204,10 +207,36 @@ def test_a_multiplexing_client_with_a_wrong_token_is_refused_as_a_call_of_its_ow
 def test_a_service_without_generate_many_is_served_by_calls_of_their_own() -> None:
     async def run() -> list[list[str]]:
         running = await start_server(_register_an_older_service, ["llm.v1.LLMService"], "127.0.0.1:0", 4 * 1024 * 1024)
-        async with AsyncLLMClient(f"127.0.0.1:{running.port}", multiplex=True) as llm:
+        async with AsyncLLMClient(f"127.0.0.1:{running.port}", multiplex=4) as llm:
             answers = list(await asyncio.gather(*(_texts(llm, str(i)) for i in range(3))))
             answers.append(await _texts(llm, "later"))
         await running.stop(0)
         return answers
 
     assert asyncio.run(run()) == [["old"]] * 4
+
+
+def test_multiplexed_calls_are_spread_over_the_servers_a_target_names() -> None:
+    """A headless Service's DNS name gives several pods; gRPC's round_robin gave each call the next
+    one. Streams are spread the same way, and calls go to the least busy stream, so each server
+    still gets its share (here two servers behind one `ipv4:` target, as DNS would give them)."""
+
+    async def run() -> list[int]:
+        servers = [await _serve(HeldLLM) for _ in range(2)]
+        target = "ipv4:" + ",".join(f"127.0.0.1:{running.port}" for running, _ in servers)
+        async with AsyncLLMClient(target, multiplex=4) as llm:
+            with contextlib.suppress(ServiceError):  # connects to both servers before the burst
+                await llm.list_models()
+            await asyncio.sleep(0.5)
+            calls = [asyncio.create_task(_texts(llm, str(i))) for i in range(24)]
+            while sum(servicer.started for _, servicer in servers) < len(calls):
+                await asyncio.sleep(0.01)
+            started = [servicer.started for _, servicer in servers]
+            for _, servicer in servers:
+                servicer.release.set()
+            await asyncio.wait_for(asyncio.gather(*calls), 10)
+        for running, _ in servers:
+            await running.stop(0)
+        return started
+
+    assert asyncio.run(run()) == [12, 12]

@@ -19,10 +19,11 @@ import grpc
 from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc
 
 # A stream takes new calls for this long, then the next call opens a new one and the old one ends
-# with its last call. A new stream goes on the channel's current connection: servers age theirs
-# out (shared.grpc_server.MAX_CONNECTION_AGE_MS) so that clients re-resolve and find new pods, and
-# a stream kept open forever would pin the first connection.
-ROTATE_S = 60.0
+# with its last call. A new stream goes where the channel's round_robin sends it: to a pod added
+# since (servers age connections out, shared.grpc_server.MAX_CONNECTION_AGE_MS, so that clients
+# re-resolve), or to one that was not ready yet when the first streams opened. Opening a stream
+# costs about what one call of its own does, so this is a small price.
+ROTATE_S = 10.0
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -98,10 +99,18 @@ class _Stream:
         self._end_if_done()
 
     async def close(self) -> None:
+        """Cancels the stream; its open calls end CANCELLED, as calls of a closed channel do."""
         self._rpc.cancel()
         for task in (self._writer, self._reader):
             task.cancel()
         await asyncio.gather(self._writer, self._reader, return_exceptions=True)
+        self._fail_open_calls(MultiplexedCallError(grpc.StatusCode.CANCELLED, "the client was closed", of_stream=True))
+
+    def _fail_open_calls(self, failure: MultiplexedCallError) -> None:
+        self.failure = self.failure or failure
+        calls, self.calls = self.calls, {}
+        for queue in calls.values():
+            queue.put_nowait(failure)
 
     def _end_if_done(self) -> None:
         if self._retired and not self.calls:
@@ -126,11 +135,8 @@ class _Stream:
         except grpc.RpcError as error:  # grpc.aio.AioRpcError: the stream's own status
             trailing = tuple(error.trailing_metadata() or ()) if isinstance(error, grpc.aio.AioRpcError) else ()
             failure = MultiplexedCallError(error.code(), error.details() or error.code().name, trailing, True)
-        self.failure = failure
         self._writer.cancel()
-        calls, self.calls = self.calls, {}
-        for queue in calls.values():
-            queue.put_nowait(failure)
+        self._fail_open_calls(failure)
 
     def _deliver(self, event: llm_pb2.MultiplexedEvent) -> None:
         if event.HasField("chunk"):
@@ -145,18 +151,28 @@ class _Stream:
 
 
 class GenerateMultiplexer:
-    """The Generate calls of one client, over one GenerateMany stream at a time."""
+    """The Generate calls of one client, over `streams` GenerateMany streams at a time.
+
+    Several streams, not one: a target that names several servers (a headless Service's pods)
+    spreads calls over them by the channel's round_robin, one server per call. Streams are
+    spread the same way, one server per stream, and each call goes to the stream with the fewest
+    calls open, so the servers share the calls as they did. A target with more servers than
+    `streams` leaves the extra ones without calls until streams rotate."""
 
     def __init__(
         self,
         channel: grpc.aio.Channel,
         stream_metadata: tuple[tuple[str, str], ...],
         call_metadata: Callable[[], dict[str, str]] | None = None,
+        streams: int = 1,
     ) -> None:
+        if streams < 1:
+            raise ValueError(f"streams must be at least 1 (got {streams})")
         self._stub = llm_pb2_grpc.LLMServiceStub(channel)
         self._stream_metadata = stream_metadata
         self._call_metadata = call_metadata  # e.g. the caller's trace context (ChannelConfig.call_metadata)
-        self._stream: _Stream | None = None
+        self._streams: list[_Stream | None] = [None] * streams
+        self._turn = 0  # where the search for the least busy stream starts: ties go round
         self._retired: set[_Stream] = set()
         self._call_ids = itertools.count(1)
 
@@ -165,7 +181,7 @@ class GenerateMultiplexer:
     ) -> AsyncGenerator[llm_pb2.GenerateChunk, None]:
         """The call's chunks; raises MultiplexedCallError as it ends, unless it ended OK. Past
         `timeout_s` it is cancelled and ends DEADLINE_EXCEEDED, as a call with that deadline."""
-        stream, call_id = self._current(), next(self._call_ids)
+        stream, call_id = self._pick(), next(self._call_ids)
         metadata = self._call_metadata() if self._call_metadata is not None else {}
         if request_id:
             metadata["x-request-id"] = request_id
@@ -190,16 +206,22 @@ class GenerateMultiplexer:
                 stream.cancel(call_id)
 
     async def close(self) -> None:
-        streams = [*self._retired, *([self._stream] if self._stream else [])]
-        self._stream, self._retired = None, set()
+        streams = [*self._retired, *(stream for stream in self._streams if stream is not None)]
+        self._streams, self._retired = [None] * len(self._streams), set()
         await asyncio.gather(*(stream.close() for stream in streams))
 
-    def _current(self) -> _Stream:
-        stream = self._stream
+    def _pick(self) -> _Stream:
+        """The stream with the fewest calls open (a slot without a live stream counts as none),
+        opening a new one in its slot when it has none, broke, or took calls for ROTATE_S."""
+        count = len(self._streams)
+        order = [(self._turn + step) % count for step in range(count)]
+        slot = min(order, key=lambda i: len(s.calls) if (s := self._streams[i]) is not None else 0)
+        self._turn = (slot + 1) % count
+        stream = self._streams[slot]
         if stream is not None and stream.failure is None and time.monotonic() - stream.opened < ROTATE_S:
             return stream
         if stream is not None:
             stream.retire()
             self._retired = {s for s in self._retired if s.failure is None} | {stream}
-        self._stream = _Stream(self._stub, self._stream_metadata)
-        return self._stream
+        fresh = self._streams[slot] = _Stream(self._stub, self._stream_metadata)
+        return fresh

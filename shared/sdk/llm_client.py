@@ -38,19 +38,18 @@ def _list_models() -> Call[llm_pb2.ListModelsReply, list[ModelInfo]]:
 class AsyncLLMClient(AsyncClient):
     """`async for chunk in llm.generate("model", [Message("user", ["hi"])]): ...`.
 
-    multiplex: generate() calls share one GenerateMany stream instead of being calls of their own
-    (shared/sdk/generate_mux.py): the same chunks and errors for a fraction of gRPC's CPU per call;
-    for a caller that makes many at once, as the gateway does."""
+    multiplex: generate() calls share this many GenerateMany streams instead of being calls of their
+    own (shared/sdk/generate_mux.py): the same chunks and errors for a fraction of gRPC's CPU per
+    call, for a caller that makes many at once, as the gateway does. At least the number of
+    servers `target` names, so that each gets calls. 0: calls of their own."""
 
     def __init__(
-        self, target: str, timeout_s: float = 300.0, config: ChannelConfig | None = None, multiplex: bool = False
+        self, target: str, timeout_s: float = 300.0, config: ChannelConfig | None = None, multiplex: int = 0
     ) -> None:
         super().__init__(SERVICE, llm_pb2_grpc.LLMServiceStub, target, timeout_s, config)
-        self._mux = (
-            GenerateMultiplexer(self._channel, call_metadata(self._config.token), self._config.call_metadata)
-            if multiplex
-            else None
-        )
+        token, extra = call_metadata(self._config.token), self._config.call_metadata
+        self._mux = GenerateMultiplexer(self._channel, token, extra, multiplex) if multiplex else None
+        self._unsupported_mux: GenerateMultiplexer | None = None  # closed with the client
 
     async def generate(
         self, model: str, messages: list[Message], sampling: Sampling | None = None, request_id: str | None = None,
@@ -83,15 +82,18 @@ class AsyncLLMClient(AsyncClient):
                     async for chunk in chunks:
                         yield call.result(chunk)
         except MultiplexUnsupported:  # an older service: this call and the next ones as calls of their own
-            await self._stop_multiplexing()
+            # Not closed now: calls still on its streams learn of this from their own stream.
+            if self._mux is not None:
+                self._unsupported_mux, self._mux = self._mux, None
             async with aclosing(self._stream(call)) as own:
                 async for result in own:
                     yield result
 
     async def _stop_multiplexing(self) -> None:
-        mux, self._mux = self._mux, None
-        if mux is not None:
-            await mux.close()
+        muxes, self._mux, self._unsupported_mux = (self._mux, self._unsupported_mux), None, None
+        for mux in muxes:
+            if mux is not None:
+                await mux.close()
 
 
 class LLMClient(BlockingClient):
