@@ -28,7 +28,7 @@ RUNTIME = {
     "shared.grpc_server", "shared.grpc_metrics", "shared.store", "shared.redis_urls", "shared.settings",
     "shared.readiness", "shared.request_context", "shared.logging_setup", "shared.process_tree",
     "shared.model_paths", "shared.encoder_id", "shared.service_server", "shared.event_loop", "shared.tracing",
-    "shared.gc_heap", "shared.progress_watch",
+    "shared.gc_heap", "shared.progress_watch", "shared.grpc_subcalls",
 }  # fmt: skip
 SERVICES = ("encoder_service", "llm_service", "gateway")
 # What each layer may import, besides itself.
