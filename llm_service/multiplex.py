@@ -131,3 +131,22 @@ class MultiplexedStream:
                     self._held.append(event)
                     break
             yield llm_pb2.MultiplexedEvents(events=events)
+
+
+class GenerateManyServicer:
+    """GenerateMany for a servicer that has Generate and the server's SubcallChain: put it before
+    the generated servicer base class, whose GenerateMany only answers UNIMPLEMENTED."""
+
+    subcalls: SubcallChain
+
+    def Generate(
+        self, request: llm_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[llm_pb2.GenerateChunk]:
+        raise NotImplementedError
+
+    async def GenerateMany(
+        self, calls: AsyncIterator[llm_pb2.MultiplexedCall], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[llm_pb2.MultiplexedEvents]:
+        stream = MultiplexedStream(self.subcalls, grpc.unary_stream_rpc_method_handler(self.Generate))
+        async for message in stream.serve(calls):
+            yield message

@@ -11,21 +11,20 @@ from llm_service import metrics
 from llm_service.chat_request import ChatRequest, SamplingLimits
 from llm_service.core import LLMCore
 from llm_service.logprobs_pb import TokenNamer
-from llm_service.multiplex import MultiplexedStream
+from llm_service.multiplex import GenerateManyServicer
 from shared.grpc_subcalls import SubcallChain
 from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc
 
 _FINISH_REASONS = {"stop": llm_pb2.FINISH_REASON_STOP, "length": llm_pb2.FINISH_REASON_LENGTH}
 
 
-class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
+class LLMServicer(GenerateManyServicer, llm_pb2_grpc.LLMServiceServicer):
     def __init__(self, core: LLMCore, limits: SamplingLimits, engine_name: str, subcalls: SubcallChain) -> None:
         self._core = core
         self._limits = limits
         self._engine_name = engine_name
         self._namer = TokenNamer(core.engine.tokenizer)
-        self._subcalls = subcalls
-        self._generate = grpc.unary_stream_rpc_method_handler(self.Generate)  # as GenerateMany's calls run it
+        self.subcalls = subcalls  # GenerateMany serves its calls through them
 
     async def Generate(
         self, request: llm_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -47,12 +46,6 @@ class LLMServicer(llm_pb2_grpc.LLMServiceServicer):
                 yield ready  # resumes once gRPC has taken the message
             streaming += time.perf_counter() - began
         metrics.REQUEST_STAGE_SECONDS.labels("stream").observe(streaming)
-
-    async def GenerateMany(
-        self, calls: AsyncIterator[llm_pb2.MultiplexedCall], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[llm_pb2.MultiplexedEvents]:
-        async for message in MultiplexedStream(self._subcalls, self._generate).serve(calls):
-            yield message
 
     async def ListModels(
         self, request: llm_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

@@ -18,7 +18,7 @@ from typing import TypeVar
 import grpc
 import pytest
 
-from llm_service.multiplex import MultiplexedStream
+from llm_service.multiplex import GenerateManyServicer
 from shared.errors import EmbeddingNotFound, ServiceError, Unavailable
 from shared.grpc_server import RunningServer, ServerSecurity, start_server
 from shared.grpc_subcalls import SubcallChain
@@ -104,7 +104,7 @@ async def _stopped_in_the_engine(engine: object) -> None:
     assert time.monotonic() - left_at < 2.0, "the request ran on after its client left"
 
 
-class HeldLLM(llm_pb2_grpc.LLMServiceServicer):
+class HeldLLM(GenerateManyServicer, llm_pb2_grpc.LLMServiceServicer):
     """Answers each Generate with one chunk once `release` is set; serves GenerateMany as the LLM
     service does, through the server's per-call interceptors."""
 
@@ -119,13 +119,6 @@ class HeldLLM(llm_pb2_grpc.LLMServiceServicer):
         self.started += 1
         await self.release.wait()
         yield llm_pb2.GenerateChunk(text=request.request_id, finish_reason=llm_pb2.FINISH_REASON_STOP)
-
-    async def GenerateMany(
-        self, calls: AsyncIterator[llm_pb2.MultiplexedCall], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[llm_pb2.MultiplexedEvents]:
-        stream = MultiplexedStream(self.subcalls, grpc.unary_stream_rpc_method_handler(self.Generate))
-        async for message in stream.serve(calls):
-            yield message
 
 
 async def _old_generate(

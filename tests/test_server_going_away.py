@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from llm_service.multiplex import MultiplexedStream
+from llm_service.multiplex import GenerateManyServicer
 from shared.errors import Unavailable
 from shared.grpc_server import start_server
 from shared.grpc_subcalls import SubcallChain
@@ -22,7 +22,7 @@ from shared.sdk import AsyncLLMClient, Message
 pytestmark = pytest.mark.integration
 
 
-class SlowLLM(llm_pb2_grpc.LLMServiceServicer):
+class SlowLLM(GenerateManyServicer, llm_pb2_grpc.LLMServiceServicer):
     """Waits on work (as Generate waits on its engine) until the server stops or the work is
     cancelled under it (as when vLLM's engine shuts down)."""
 
@@ -38,13 +38,6 @@ class SlowLLM(llm_pb2_grpc.LLMServiceServicer):
         self.started.set()
         await self.work
         yield llm_pb2.GenerateChunk(text="never")
-
-    async def GenerateMany(
-        self, calls: AsyncIterator[llm_pb2.MultiplexedCall], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[llm_pb2.MultiplexedEvents]:
-        stream = MultiplexedStream(self.subcalls, grpc.unary_stream_rpc_method_handler(self.Generate))
-        async for message in stream.serve(calls):
-            yield message
 
     def register(self, server: grpc.aio.Server, subcalls: SubcallChain) -> None:
         self.subcalls = subcalls
