@@ -5,6 +5,8 @@ the calls in flight have finished (or the grace runs out). grpc's own `server.st
 until every call has ended, open-ended ones included: one health Watch (a client-side health
 checker, a load balancer) kept every drain waiting for the whole grace. So the calls are counted
 here, Watch streams left out, and the server is stopped for good once the count reaches zero.
+A GenerateMany stream is not counted either (it stays open between calls); each call it carries
+is (shared/grpc_subcalls.py), and new ones are refused from the start of the drain.
 """
 
 from __future__ import annotations
