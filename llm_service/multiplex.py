@@ -19,6 +19,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from shared.grpc_subcalls import SubcallChain, SubcallContext
 from shared.pb.llm.v1 import llm_pb2
@@ -45,6 +46,7 @@ class MultiplexedStream:
         self._calls: dict[int, asyncio.Task[None]] = {}
         self._events: asyncio.Queue[llm_pb2.MultiplexedEvent | None] = asyncio.Queue()
         self._reading = True
+        self.refusal: str | None = None  # why the caller's messages stopped being read, if they did not end well
         # What came when the last message was full (the end of events among them): at most one.
         self._held: list[llm_pb2.MultiplexedEvent | None] = []
 
@@ -68,6 +70,8 @@ class MultiplexedStream:
                     self._start(call)
                 elif call.cancel and call.call_id in self._calls:
                     self._calls[call.call_id].cancel()
+        except DecodeError as error:  # the calls open go on; the stream then ends INVALID_ARGUMENT
+            self.refusal = f"a message on the GenerateMany stream does not parse: {error}"
         finally:
             self._reading = False
             self._end_if_idle()
@@ -150,3 +154,5 @@ class GenerateManyServicer:
         stream = MultiplexedStream(self.subcalls, grpc.unary_stream_rpc_method_handler(self.Generate))
         async for message in stream.serve(calls):
             yield message
+        if stream.refusal is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, stream.refusal)

@@ -233,3 +233,20 @@ def test_multiplexed_calls_are_spread_over_the_servers_a_target_names() -> None:
         return started
 
     assert asyncio.run(run()) == [12, 12]
+
+
+def test_a_stream_message_that_does_not_parse_ends_the_stream_invalid_argument() -> None:
+    async def run() -> tuple[grpc.StatusCode, str]:
+        running, _ = await _serve(HeldLLM)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            raw = channel.stream_stream("/llm.v1.LLMService/GenerateMany", lambda b: b, lambda b: b)
+            call = raw(iter([b"\xff\xff\xff\x00 not a MultiplexedCall"]))
+            with pytest.raises(grpc.RpcError):
+                async for _ in call:
+                    pass
+            status = await call.code(), await call.details()
+        await running.stop(0)
+        return status
+
+    code, details = asyncio.run(run())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "does not parse" in details
