@@ -79,8 +79,11 @@ class MultiplexedStream:
     def _start(self, call: llm_pb2.MultiplexedCall) -> None:
         if call.call_id in self._calls:
             self._put_end(call.call_id, _status(grpc.StatusCode.INVALID_ARGUMENT, "call_id is already open"))
-        elif not self._subcalls.open:  # draining: refused as a new Generate call would be
-            self._put_end(call.call_id, _status(grpc.StatusCode.UNAVAILABLE, "the service is shutting down"))
+        elif not self._subcalls.open:  # draining: refused as a new Generate call would be, and
+            # marked as never begun, so that the client makes it on a stream to another server
+            refusal = _status(grpc.StatusCode.UNAVAILABLE, "the service is shutting down")
+            refusal.not_started = True
+            self._put_end(call.call_id, refusal)
         else:
             metadata = tuple(call.metadata.items())
             task = asyncio.create_task(self._run(call.call_id, call.start, metadata))

@@ -5,6 +5,11 @@ same way: its chunks, then either nothing (OK) or a `MultiplexedCallError`, an R
 status and trailing metadata Generate would have ended with, so callers map it to the same domain
 error (shared.grpc_errors.error_from_rpc). When the stream breaks (the service died, the connection
 dropped), every call open on it fails with the stream's status, as calls on that connection would.
+
+A service that is shutting down refuses new calls on its open streams, marked as never begun (a
+rolling update: its pod drains while others serve). The stream then takes no more calls, and the
+refused call is made on another stream, as gRPC would send a call of its own to another pod once
+the draining one said GOAWAY.
 """
 
 from __future__ import annotations
@@ -31,11 +36,17 @@ class MultiplexedCallError(grpc.RpcError):
     """A multiplexed call that did not end OK, shaped as the RpcError of a call of its own."""
 
     def __init__(
-        self, code: grpc.StatusCode, details: str, trailing: Sequence[tuple[str, str]] = (), of_stream: bool = False
+        self,
+        code: grpc.StatusCode,
+        details: str,
+        trailing: Sequence[tuple[str, str]] = (),
+        of_stream: bool = False,
+        not_started: bool = False,
     ) -> None:
         super().__init__(f"{code.name}: {details}")
         self._code, self._details, self._trailing = code, details, tuple(trailing)
         self.of_stream = of_stream  # the GenerateMany stream's own status, not the call's end
+        self.not_started = not_started  # refused before it began: safe to make again elsewhere
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -59,7 +70,8 @@ def _ending(status: llm_pb2.CallStatus) -> MultiplexedCallError | None:
     code = _STATUS_CODES.get(status.code, grpc.StatusCode.UNKNOWN)
     if code == grpc.StatusCode.OK:
         return None
-    return MultiplexedCallError(code, status.details, tuple(status.trailing_metadata.items()))
+    trailing = tuple(status.trailing_metadata.items())
+    return MultiplexedCallError(code, status.details, trailing, not_started=status.not_started)
 
 
 class _Stream:
@@ -75,6 +87,10 @@ class _Stream:
         self._outbox: asyncio.Queue[llm_pb2.MultiplexedCall | None] = asyncio.Queue()
         self._writer = asyncio.create_task(self._write())
         self._reader = asyncio.create_task(self._read())
+
+    @property
+    def taking_calls(self) -> bool:
+        return self.failure is None and not self._retired
 
     def start(
         self, call_id: int, request: llm_pb2.GenerateRequest, metadata: dict[str, str]
@@ -144,6 +160,8 @@ class _Stream:
             if queue is not None:  # else cancelled meanwhile
                 queue.put_nowait(event.chunk)
             return
+        if event.end.not_started:  # its service is shutting down: it would refuse every new call
+            self._retired = True
         queue = self.calls.pop(event.call_id, None)
         if queue is not None:
             queue.put_nowait(_ending(event.end))
@@ -181,20 +199,29 @@ class GenerateMultiplexer:
     ) -> AsyncGenerator[llm_pb2.GenerateChunk, None]:
         """The call's chunks; raises MultiplexedCallError as it ends, unless it ended OK. Past
         `timeout_s` it is cancelled and ends DEADLINE_EXCEEDED, as a call with that deadline."""
-        stream, call_id = self._pick(), next(self._call_ids)
         metadata = self._call_metadata() if self._call_metadata is not None else {}
         if request_id:
             metadata["x-request-id"] = request_id
+        stream, call_id = self._pick(), next(self._call_ids)
         queue = stream.start(call_id, request, metadata)
         # A timer that queues the deadline's error: `asyncio.timeout` cannot span a generator's
-        # yields (it would cancel whatever its consumer does at that moment).
+        # yields (it would cancel whatever its consumer does at that moment). It reads `queue` when
+        # it fires: the queue of the stream the call is on by then.
         deadline = MultiplexedCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-        timer = asyncio.get_running_loop().call_later(timeout_s, queue.put_nowait, deadline)
+        timer = asyncio.get_running_loop().call_later(timeout_s, lambda: queue.put_nowait(deadline))
+        # Each refusal retires a stream, so after one per stream the call is on a fresh one.
+        refusals_left = len(self._streams)
         ended = False
         try:
             while (arrival := await queue.get()) is not None:
                 if isinstance(arrival, MultiplexedCallError):
                     ended = arrival is not deadline
+                    if arrival.not_started and refusals_left:  # its server is draining: another one
+                        refusals_left -= 1
+                        stream, call_id = self._pick(), next(self._call_ids)
+                        queue = stream.start(call_id, request, metadata)
+                        ended = False
+                        continue
                     if arrival.of_stream and arrival.code() == grpc.StatusCode.UNIMPLEMENTED:
                         raise MultiplexUnsupported()
                     raise arrival
@@ -212,13 +239,13 @@ class GenerateMultiplexer:
 
     def _pick(self) -> _Stream:
         """The stream with the fewest calls open (a slot without a live stream counts as none),
-        opening a new one in its slot when it has none, broke, or took calls for ROTATE_S."""
+        opening a new one in its slot when it has none, broke, was refused, or took calls for ROTATE_S."""
         count = len(self._streams)
         order = [(self._turn + step) % count for step in range(count)]
         slot = min(order, key=lambda i: len(s.calls) if (s := self._streams[i]) is not None else 0)
         self._turn = (slot + 1) % count
         stream = self._streams[slot]
-        if stream is not None and stream.failure is None and time.monotonic() - stream.opened < ROTATE_S:
+        if stream is not None and stream.taking_calls and time.monotonic() - stream.opened < ROTATE_S:
             return stream
         if stream is not None:
             stream.retire()

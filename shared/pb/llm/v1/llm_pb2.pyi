@@ -52,7 +52,7 @@ class MultiplexedEvent(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., chunk: _Optional[_Union[GenerateChunk, _Mapping]] = ..., end: _Optional[_Union[CallStatus, _Mapping]] = ...) -> None: ...
 
 class CallStatus(_message.Message):
-    __slots__ = ("code", "details", "trailing_metadata")
+    __slots__ = ("code", "details", "trailing_metadata", "not_started")
     class TrailingMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -63,10 +63,12 @@ class CallStatus(_message.Message):
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
     TRAILING_METADATA_FIELD_NUMBER: _ClassVar[int]
+    NOT_STARTED_FIELD_NUMBER: _ClassVar[int]
     code: int
     details: str
     trailing_metadata: _containers.ScalarMap[str, str]
-    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., trailing_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    not_started: bool
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., trailing_metadata: _Optional[_Mapping[str, str]] = ..., not_started: _Optional[bool] = ...) -> None: ...
 
 class ImageRef(_message.Message):
     __slots__ = ("key", "embedding_blob")
