@@ -46,7 +46,7 @@ def build_core(settings: LLMSettings) -> LLMCore:
     checkpoint = resolve_checkpoint(settings.checkpoint)
     engine = load_engine(
         settings.engine, checkpoint, settings.device, settings.dtype, settings.max_model_len, settings.kv_cache_gib,
-        settings.enforce_eager,
+        settings.enforce_eager, settings.handoff_bytes,
     )  # fmt: skip
     merge_size = AutoConfig.from_pretrained(checkpoint).vision_config.spatial_merge_size
     accepted = settings.accepted_encoder_ids or [compute_encoder_id(checkpoint)]

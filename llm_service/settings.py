@@ -49,6 +49,12 @@ class LLMSettings(StoreSettings, GrpcServerSettings):
         validation_alias=AliasChoices("LLM_MAX_MEDIA_PER_REQUEST", "LLM_MAX_IMAGES_PER_REQUEST"),
         description="Most images and videos together in one request (LLM_MAX_IMAGES_PER_REQUEST also sets it).",
     )
+    handoff_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=0,
+        description="vLLM: most bytes of embeddings handed to the engine as files in /dev/shm rather than inside "
+        "each request (0: every request carries its embeddings).",
+    )
     blob_cache_bytes: int = Field(
         512 * 1024 * 1024, ge=0, description="Budget of the in-memory LRU of decoded blobs (0 disables it)."
     )

@@ -19,10 +19,11 @@ from encoder_service.video import preprocess_video  # noqa: E402
 from encoder_service.vision import VisionEncoder  # noqa: E402
 from llm_service.chat_request import MediaInput, PromptMessage  # noqa: E402
 from llm_service.engines.base import EngineRequest, GenerationDelta, MediaItem, SamplingParams  # noqa: E402
+from llm_service.engines.handoff import handoff_path  # noqa: E402
 from llm_service.engines.transformers_engine import TransformersEngine, expand_pads  # noqa: E402
 from llm_service.engines.vllm_engine import VLLMEngine, _concat_rows  # noqa: E402
 from llm_service.prompt import PromptBuilder  # noqa: E402
-from shared.errors import InvalidInput  # noqa: E402
+from shared.errors import InvalidInput, Unavailable  # noqa: E402
 from tests.model_fixtures import make_image  # noqa: E402
 from tests.reference import reference_greedy_tokens  # noqa: E402
 
@@ -257,6 +258,42 @@ async def test_rejects_inconsistent_request(engines: Engines, encoder, images) -
     with pytest.raises(InvalidInput, match="max_model_len|maximum|longer"):
         await _collect(fast, replace(good, prompt_token_ids=good.prompt_token_ids + [1] * 1024))
     assert fast.num_unfinished_requests() == 0
+
+
+async def test_handed_off_items_reach_vllm_as_files_and_answer_as_inline_ones(
+    engines: Engines, encoder, images
+) -> None:
+    fast, slow = engines["ft-a"]
+    request = _request(encoder, PromptBuilder(fast.tokenizer), images, QUESTIONS[1], max_tokens=MAX_NEW)
+    handed_off = _tokens(await _collect(fast, request))
+    assert all(handoff_path(fast.handoff.directory, item.uuid).is_file() for item in request.media if item.uuid)
+    sent = fast.vllm_prompt(request, {item.uuid for item in request.media if item.uuid})["multi_modal_data"]
+    assert list(sent) == ["image"] and list(sent["image"]) == ["image_grid_thw"]  # no rows in the request
+    assert torch.equal(sent["image"]["image_grid_thw"], torch.cat([item.grid_thw for item in request.media]))
+    # Nothing fits the budget: the same rows under new uuids (no cache of vLLM's knows them) go inline.
+    budget, fast.handoff.max_bytes = fast.handoff.max_bytes, 0
+    try:
+        inline = replace(request, media=[replace(item, uuid=f"{item.uuid}:inline") for item in request.media])
+        inline_tokens = _tokens(await _collect(fast, inline))
+        assert not any(handoff_path(fast.handoff.directory, item.uuid or "").exists() for item in inline.media)
+    finally:
+        fast.handoff.max_bytes = budget
+    assert handed_off == inline_tokens == _tokens(await _collect(slow, request))
+
+
+async def test_a_handed_off_file_gone_fails_its_request_and_the_engine_lives(engines: Engines, encoder, images) -> None:
+    fast, _ = engines["ft-a"]
+    request = _request(encoder, PromptBuilder(fast.tokenizer), images[:1], QUESTIONS[0], max_tokens=4)
+    (item,) = request.media
+    gone = replace(request, media=[replace(item, uuid="emb:v1:test:deleted-behind-our-back")])
+    assert fast.handoff.hold("emb:v1:test:deleted-behind-our-back", item.embeds)
+    handoff_path(fast.handoff.directory, "emb:v1:test:deleted-behind-our-back").unlink()
+    # Sent with its grid only and no file: vLLM's consumer would die computing it; ours fails it.
+    with pytest.raises(Unavailable, match="could not load"):
+        await _collect(fast, gone)
+    fast.handoff.release("emb:v1:test:deleted-behind-our-back")
+    assert fast.failure() is None
+    assert len(_tokens(await _collect(fast, request))) == 4
 
 
 def _logprobs(deltas: list[GenerationDelta]) -> list:

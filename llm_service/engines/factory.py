@@ -34,6 +34,7 @@ def load_engine(
     max_model_len: int,
     kv_cache_gib: float | None,
     enforce_eager: bool = False,
+    handoff_bytes: int = 0,
 ) -> Engine:
     """Imports only the chosen engine: vLLM is heavy and absent on some machines."""
     if resolve_engine_name(name) == "vllm":
@@ -41,7 +42,7 @@ def load_engine(
 
         return VLLMEngine.load(
             str(checkpoint), dtype=dtype, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
-            enforce_eager=enforce_eager,
+            enforce_eager=enforce_eager, handoff_bytes=handoff_bytes,
         )  # fmt: skip
     from llm_service.engines.transformers_engine import TransformersEngine
 

@@ -8,6 +8,9 @@ expands each pad into the item's rows. The items travel as multimodal data per m
 reuses the cached prefix. With every modality limit at 0 and `enable_mm_embeds`, vLLM builds the
 vision tower on the meta device and never loads its weights: this engine only ever receives
 embeddings.
+
+Each item with a uuid goes to the engine as a file in shared memory (handoff.py) and the request
+carries only its grid; an item that could not be handed off goes inline.
 """
 
 from __future__ import annotations
@@ -16,19 +19,20 @@ import asyncio
 import json
 import tempfile
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase, Qwen2VLConfig
 from vllm import SamplingParams as VLLMSamplingParams
-from vllm.config import LoggingConfig
+from vllm.config import ECTransferConfig, LoggingConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.inputs import TokensPrompt
 from vllm.logprobs import Logprob
-from vllm.outputs import CompletionOutput
+from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
@@ -46,19 +50,24 @@ from llm_service.engines.base import (
     eos_token_ids,
     validate_request,
 )
+from llm_service.engines.handoff import HandoffFiles
+from llm_service.engines.handoff_connector import DIRECTORY_KEY, HandoffConnector
 from llm_service.engines.vllm_process import dying_with_service
 from shared.errors import InvalidInput, Unavailable
 from shared.logging_setup import active_logging_config
 
 _GIB = 1 << 30
+DEFAULT_HANDOFF_BYTES = 256 * 1024 * 1024
 ENGINE_DEAD = "the vLLM engine process died; this service is restarting"
 
 
 class VLLMEngine(Engine):
     def __init__(
-        self, engine: AsyncLLM, tokenizer: PreTrainedTokenizerBase, config: Qwen2VLConfig, eos_ids: set[int]
-    ) -> None:
+        self, engine: AsyncLLM, tokenizer: PreTrainedTokenizerBase, config: Qwen2VLConfig, eos_ids: set[int],
+        handoff: HandoffFiles,
+    ) -> None:  # fmt: skip
         self.engine: AsyncLLM | None = engine  # None once closed
+        self.handoff = handoff
         self.tokenizer = tokenizer
         self.shape = EngineShape.of(config)
         self.hidden_size: int = self.shape.hidden_size
@@ -69,7 +78,7 @@ class VLLMEngine(Engine):
     @classmethod
     def load(
         cls, checkpoint: str, dtype: ModelDtype = "float32", max_model_len: int = 4096, kv_cache_gib: float | None = None,
-        enforce_eager: bool = False,
+        enforce_eager: bool = False, handoff_bytes: int = DEFAULT_HANDOFF_BYTES,
     ) -> VLLMEngine:  # fmt: skip
         """Starts vLLM's engine process for a local checkpoint (tens of seconds).
 
@@ -79,8 +88,14 @@ class VLLMEngine(Engine):
         a share of RAM).
         enforce_eager: skip torch.compile (and its warm-up): the engine starts in seconds, not a
         minute, and decodes more slowly; for quick checks.
+        handoff_bytes: most bytes of embeddings kept as files for the engine (handoff.py); 0 sends
+        every item inline.
         """
         path = Path(checkpoint)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
+        eos_ids = _eos_ids(path, config, tokenizer)
+        handoff = HandoffFiles(getattr(torch, dtype), handoff_bytes)
         args = AsyncEngineArgs(
             model=str(path),
             dtype=dtype,
@@ -98,10 +113,14 @@ class VLLMEngine(Engine):
             # vLLM's default, pinned: the transformers engine reports the same kind (logits.py).
             logprobs_mode="raw_logprobs",
             logging_config=_service_logging(),
+            # A consumer of encoder outputs: ours, handed off as files (handoff_connector.py).
+            ec_transfer_config=ECTransferConfig(
+                ec_connector=HandoffConnector.__name__,
+                ec_role="ec_consumer",
+                ec_connector_module_path=HandoffConnector.__module__,
+                ec_connector_extra_config={DIRECTORY_KEY: str(handoff.directory)},
+            ),  # fmt: skip
         )
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        config = AutoConfig.from_pretrained(path)
-        eos_ids = _eos_ids(path, config, tokenizer)
         try:
             # AsyncLLM.from_engine_args, with an executor that ties EngineCore to this process.
             vllm_config = args.create_engine_config()
@@ -110,16 +129,22 @@ class VLLMEngine(Engine):
                     vllm_config=vllm_config, executor_class=executor_class, log_requests=args.enable_log_requests,
                     log_stats=not args.disable_log_stats,
                 )  # fmt: skip
+        except BaseException:
+            handoff.close()
+            raise
         finally:  # every engine process has read it by now (or none will start)
             if args.logging_config is not None and args.logging_config.pylogging_config_file:
                 Path(args.logging_config.pylogging_config_file).unlink(missing_ok=True)
-        return cls(engine, tokenizer, config, eos_ids)
+        return cls(engine, tokenizer, config, eos_ids, handoff)
 
     def close(self) -> None:
         """Stops the engine process; blocks for a few seconds. Idempotent."""
         engine, self.engine = self.engine, None
-        if engine is not None:
-            engine.shutdown()
+        try:
+            if engine is not None:
+                engine.shutdown()
+        finally:
+            self.handoff.close()
         # Dropping the last reference now lets AsyncLLM.__del__ (which shuts down again) run while
         # the interpreter is whole, not at exit, where it fails on torn-down modules.
         del engine
@@ -145,10 +170,15 @@ class VLLMEngine(Engine):
         engine = self._live()
         # Client ids may repeat; vLLM needs one id per live request to route outputs and aborts.
         request_id = f"{request.request_id}-{uuid.uuid4().hex}"
-        stream = engine.generate(self.vllm_prompt(request), self.vllm_sampling_params(request.sampling), request_id)
+        held = [
+            item.uuid for item in request.media if item.uuid is not None and self.handoff.hold(item.uuid, item.embeds)
+        ]
         deltas = _DeltaBuilder(self.tokenizer, self.eos_ids, request.prompt_tokens, request.sampling.logprobs)
         finished = False
+        stream: AsyncGenerator[RequestOutput, None] | None = None
         try:
+            prompt = self.vllm_prompt(request, handed_off=set(held))
+            stream = engine.generate(prompt, self.vllm_sampling_params(request.sampling), request_id)
             async for output in stream:
                 finished = output.finished
                 delta = deltas.build(output.outputs[0], finished)
@@ -159,13 +189,17 @@ class VLLMEngine(Engine):
         except EngineDeadError:  # EngineCore died (OOM killer, crash): not this request's fault
             raise Unavailable(ENGINE_DEAD) from None
         finally:
-            await stream.aclose()
+            if stream is not None:
+                await stream.aclose()
             if not finished and self.failure() is None:  # consumer gone or error: free the KV blocks now
                 await engine.abort(request_id)
+            for item_uuid in held:  # after the abort: the engine no longer schedules this request
+                self.handoff.release(item_uuid)
 
-    def vllm_prompt(self, request: EngineRequest) -> TokensPrompt:
-        """The request as vLLM takes it: the prompt with one pad per item, embeddings and grids
-        as multimodal data, each item's uuid (its blob key) for the prefix cache."""
+    def vllm_prompt(self, request: EngineRequest, handed_off: AbstractSet[str] = frozenset()) -> TokensPrompt:
+        """The request as vLLM takes it: the prompt with one pad per item, grids as multimodal
+        data, each item's uuid (its blob key) for the prefix cache and the handed-off file; the
+        rows too, for a modality with an item not in `handed_off`."""
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         data: dict[str, dict[str, torch.Tensor]] = {}
         uuids: dict[str, list[str | None]] = {}
@@ -175,10 +209,9 @@ class VLLMEngine(Engine):
                 continue
             # vLLM fills a modality's pads in order, splitting the rows per item by the grid; it
             # casts them to the model dtype.
-            data[modality] = {
-                f"{modality}_embeds": _concat_rows([item.embeds for item in items]),
-                f"{modality}_grid_thw": torch.cat([item.grid_thw for item in items]).to(torch.int64),
-            }
+            data[modality] = {f"{modality}_grid_thw": torch.cat([item.grid_thw for item in items]).to(torch.int64)}
+            if not all(item.uuid in handed_off for item in items):  # vLLM takes a modality's rows all or none
+                data[modality][f"{modality}_embeds"] = _concat_rows([item.embeds for item in items])
             uuids[modality] = [item.uuid for item in items]  # None: vLLM hashes that item's rows
         if data:
             prompt["multi_modal_data"] = data
@@ -276,6 +309,8 @@ def _concat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
 def _finish_reason(reason: str | None) -> FinishReason:
     if reason in ("stop", "length"):
         return reason  # type: ignore[return-value]
+    if reason == "error":  # vLLM's scheduler failed it: an item's handed-off file was gone (handoff_connector.py)
+        raise Unavailable("the engine could not load this request's embeddings; retry the request")
     raise RuntimeError(f"vLLM ended the generation with finish reason {reason!r}")
 
 

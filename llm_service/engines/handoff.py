@@ -1,0 +1,139 @@
+"""Embeddings handed to vLLM's engine as files in shared memory instead of inside each request.
+
+Inline, every request carries its images' rows (0.8 MB for a 448x448 image at hidden 1536,
+bfloat16) from this process to vLLM's EngineCore and on to its worker: two serialisations and
+copies per request, even when the worker's encoder cache already holds the item (vLLM's
+processor cache, which spares such repeats, skips embedding inputs). Handed off, the service
+writes each item once, as `<dir>/<sha256 of its uuid>.safetensors` in the model's dtype, and
+sends only the grid; vLLM's scheduler asks our connector (handoff_connector.py) whether the file
+exists and, only when the worker's encoder cache misses, the worker loads it.
+
+The one rule that keeps the engine alive: a file exists while any request naming it is live,
+and for GRACE_S after (an abort reaches EngineCore a step late). Files beyond that are deleted
+least recently used first once the directory holds more than its budget; a new item that would
+not fit is sent inline instead, as is an item without a uuid or one the disk refused. The
+directory goes when the engine closes; one left by a killed service is removed by the next to start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save
+
+logger = logging.getLogger(__name__)
+
+TENSOR_NAME = "embeds"
+# An abort is sent to EngineCore without waiting; a step already scheduled may still load the file.
+GRACE_S = 60.0
+SHARED_MEMORY = Path("/dev/shm")
+PREFIX = "llm-handoff-"
+
+
+def handoff_path(directory: Path, identifier: str) -> Path:
+    """The file for one item: named by a hash, since a uuid may hold any character."""
+    return directory / f"{hashlib.sha256(identifier.encode()).hexdigest()}.safetensors"
+
+
+@dataclass
+class _File:
+    size: int
+    holders: int = 0
+    released_at: float = 0.0
+
+
+class HandoffFiles:
+    """The handed-off items of one engine; one event loop uses it (no locking)."""
+
+    def __init__(
+        self, dtype: torch.dtype, max_bytes: int, parent: Path | None = None, grace_s: float = GRACE_S
+    ) -> None:
+        if parent is None:
+            parent = SHARED_MEMORY if SHARED_MEMORY.is_dir() else Path(tempfile.gettempdir())
+        _remove_orphans(parent)
+        self.directory = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent))
+        self.dtype = dtype
+        self.max_bytes = max_bytes
+        self.grace_s = grace_s
+        self._files: OrderedDict[str, _File] = OrderedDict()  # uuid -> file, least recently used first
+        self._bytes = 0
+
+    def hold(self, uuid: str, rows: torch.Tensor) -> bool:
+        """Makes the item's file exist and keeps it until release(uuid); False where it could not
+        (over budget, a write error): the caller sends that item inline."""
+        file = self._files.get(uuid)
+        if file is None:
+            file = self._write(uuid, rows)
+            if file is None:
+                return False
+        file.holders += 1
+        self._files.move_to_end(uuid)
+        return True
+
+    def release(self, uuid: str) -> None:
+        file = self._files[uuid]
+        file.holders -= 1
+        file.released_at = time.monotonic()
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+        self._files.clear()
+        self._bytes = 0
+
+    def _write(self, uuid: str, rows: torch.Tensor) -> _File | None:
+        data = save({TENSOR_NAME: rows.detach().to("cpu", self.dtype).contiguous()})
+        if not self._make_room(len(data)):
+            return None
+        part: str | None = None
+        try:  # written whole under another name, then renamed: the engine never sees half a file
+            descriptor, part = tempfile.mkstemp(dir=self.directory, suffix=".part")
+            with os.fdopen(descriptor, "wb") as out:
+                out.write(data)
+            os.replace(part, handoff_path(self.directory, uuid))
+        except OSError as error:  # a full or missing tmpfs: inline still works
+            logger.warning("handing embeddings off to vLLM as a file failed (%s); sending them inline", error)
+            if part is not None:
+                Path(part).unlink(missing_ok=True)
+            return None
+        file = self._files[uuid] = _File(len(data))
+        self._bytes += file.size
+        return file
+
+    def _make_room(self, size: int) -> bool:
+        """Deletes idle files past their grace, oldest use first, until `size` more bytes fit."""
+        now = time.monotonic()
+        for uuid, file in list(self._files.items()):
+            if self._bytes + size <= self.max_bytes:
+                break
+            if file.holders == 0 and now - file.released_at >= self.grace_s:
+                handoff_path(self.directory, uuid).unlink(missing_ok=True)
+                del self._files[uuid]
+                self._bytes -= file.size
+        return self._bytes + size <= self.max_bytes
+
+
+def _remove_orphans(parent: Path) -> None:
+    """Directories of services that died without closing their engine (SIGKILL, OOM killer)."""
+    for directory in parent.glob(f"{PREFIX}*-*"):
+        pid = directory.name.removeprefix(PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
