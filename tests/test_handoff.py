@@ -3,14 +3,14 @@ filesystem. The engine side (vLLM loading them, a missing one) is in test_vllm_e
 
 from __future__ import annotations
 
-import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from llm_service.engines.handoff import PREFIX, TENSOR_NAME, HandoffFiles, handoff_path
+from llm_service.engines.handoff import OWNER_LOCK, PREFIX, TENSOR_NAME, HandoffFiles, handoff_path
 
 ROWS = torch.arange(4 * 8, dtype=torch.float32).reshape(4, 8)
 
@@ -36,7 +36,7 @@ def test_a_held_item_is_a_file_in_the_model_dtype_named_by_its_uuid_hash(parent:
     assert path.parent == files.directory and len(path.stem) == 64
     stored = load_file(path)[TENSOR_NAME]
     assert stored.dtype == torch.bfloat16 and torch.equal(stored, ROWS.to(torch.bfloat16))
-    assert [p.name for p in files.directory.iterdir()] == [path.name]  # no partial file left beside it
+    assert sorted(p.name for p in files.directory.iterdir()) == sorted([OWNER_LOCK, path.name])  # no partial file
     files.close()
     assert not files.directory.exists()
 
@@ -57,6 +57,14 @@ def test_a_file_stays_while_held_and_for_its_grace_then_goes_when_room_is_needed
     files.close()
 
 
+def test_other_rows_under_a_held_uuid_go_inline(parent: Path) -> None:
+    files = HandoffFiles(torch.bfloat16, 1 << 20, parent=parent)
+    assert files.hold("a", ROWS)
+    assert not files.hold("a", ROWS[:2])  # the file holds 4 rows: it cannot answer for 2
+    assert files.hold("a", ROWS.clone())
+    files.close()
+
+
 def test_an_idle_file_within_its_grace_is_kept(parent: Path) -> None:
     size = _size(parent)
     files = HandoffFiles(torch.bfloat16, size, parent=parent, grace_s=3600.0)
@@ -69,7 +77,7 @@ def test_an_idle_file_within_its_grace_is_kept(parent: Path) -> None:
 
 def test_a_directory_that_cannot_be_written_sends_items_inline(parent: Path) -> None:
     files = HandoffFiles(torch.bfloat16, 1 << 20, parent=parent)
-    files.directory.rmdir()  # e.g. a tmpfs that is full or was unmounted
+    shutil.rmtree(files.directory)  # e.g. a tmpfs that is full or was unmounted
     assert not files.hold("a", ROWS)
     files.directory.mkdir()
     assert files.hold("a", ROWS)  # nothing was recorded for the failed write
@@ -77,12 +85,15 @@ def test_a_directory_that_cannot_be_written_sends_items_inline(parent: Path) -> 
 
 
 def test_a_killed_services_directory_is_removed_by_the_next(parent: Path) -> None:
-    never_a_pid = 4_194_305  # above Linux's highest pid_max (2**22)
-    orphan = parent / f"{PREFIX}{never_a_pid}-abc"
+    living = HandoffFiles(torch.bfloat16, 1 << 20, parent=parent)
+    assert living.hold("a", ROWS)
+    orphan = parent / f"{PREFIX}killed"  # its owner lock is held by nobody
     orphan.mkdir()
+    (orphan / OWNER_LOCK).touch()
     (orphan / "x.safetensors").write_bytes(b"left behind")
-    living = parent / f"{PREFIX}{os.getpid()}-def"
-    living.mkdir()
     files = HandoffFiles(torch.bfloat16, 1 << 20, parent=parent)
-    assert not orphan.exists() and living.exists()
+    assert not orphan.exists()
+    assert handoff_path(living.directory, "a").is_file()  # a live one stays, whatever its pid namespace
     files.close()
+    living.close()
+    assert list(parent.iterdir()) == []

@@ -296,6 +296,18 @@ async def test_a_handed_off_file_gone_fails_its_request_and_the_engine_lives(eng
     assert len(_tokens(await _collect(fast, request))) == 4
 
 
+async def test_a_uuid_reused_for_other_rows_answers_for_those_rows(engines: Engines, encoder, images) -> None:
+    fast, slow = engines["ft-a"]
+    builder = PromptBuilder(fast.tokenizer)
+    first, other = (_request(encoder, builder, [image], QUESTIONS[0], max_tokens=MAX_NEW) for image in images)
+    first, other = (replace(r, media=[replace(r.media[0], uuid="emb:v1:test:rewritten")]) for r in (first, other))
+    assert first.media[0].embeds.shape != other.media[0].embeds.shape
+    await _collect(fast, first)  # its rows are now the file under that uuid
+    # A blob rewritten under its key: the engine must neither load the old file nor die of it.
+    assert _tokens(await _collect(fast, other)) == _tokens(await _collect(slow, other))
+    assert fast.failure() is None
+
+
 def _logprobs(deltas: list[GenerationDelta]) -> list:
     return [entry for d in deltas for entry in d.logprobs]
 

@@ -17,6 +17,7 @@ directory goes when the engine closes; one left by a killed service is removed b
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -37,6 +38,7 @@ TENSOR_NAME = "embeds"
 GRACE_S = 60.0
 SHARED_MEMORY = Path("/dev/shm")
 PREFIX = "llm-handoff-"
+OWNER_LOCK = ".owner"  # flock'd while the directory's service lives (across pid namespaces too)
 
 
 def handoff_path(directory: Path, identifier: str) -> Path:
@@ -47,6 +49,7 @@ def handoff_path(directory: Path, identifier: str) -> Path:
 @dataclass
 class _File:
     size: int
+    rows: torch.Size
     holders: int = 0
     released_at: float = 0.0
 
@@ -60,7 +63,12 @@ class HandoffFiles:
         if parent is None:
             parent = SHARED_MEMORY if SHARED_MEMORY.is_dir() else Path(tempfile.gettempdir())
         _remove_orphans(parent)
-        self.directory = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent))
+        # Locked under a name the sweep ignores, then renamed: never seen unlocked.
+        making = Path(tempfile.mkdtemp(prefix=f".{PREFIX}", dir=parent))
+        self._owner = open(making / OWNER_LOCK, "wb")  # noqa: SIM115 (held open for the directory's life)
+        fcntl.flock(self._owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.directory = making.with_name(making.name[1:])
+        making.rename(self.directory)
         self.dtype = dtype
         self.max_bytes = max_bytes
         self.grace_s = grace_s
@@ -75,9 +83,14 @@ class HandoffFiles:
             file = self._write(uuid, rows)
             if file is None:
                 return False
+        elif file.rows != rows.shape:  # one uuid, other rows (a rewritten blob): not the file's to answer
+            return False
         file.holders += 1
         self._files.move_to_end(uuid)
         return True
+
+    def has(self, uuid: str) -> bool:
+        return uuid in self._files
 
     def release(self, uuid: str) -> None:
         file = self._files[uuid]
@@ -86,6 +99,7 @@ class HandoffFiles:
 
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
+        self._owner.close()
         self._files.clear()
         self._bytes = 0
 
@@ -104,7 +118,7 @@ class HandoffFiles:
             if part is not None:
                 Path(part).unlink(missing_ok=True)
             return None
-        file = self._files[uuid] = _File(len(data))
+        file = self._files[uuid] = _File(len(data), rows.shape)
         self._bytes += file.size
         return file
 
@@ -122,18 +136,14 @@ class HandoffFiles:
 
 
 def _remove_orphans(parent: Path) -> None:
-    """Directories of services that died without closing their engine (SIGKILL, OOM killer)."""
-    for directory in parent.glob(f"{PREFIX}*-*"):
-        pid = directory.name.removeprefix(PREFIX).split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(directory, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
+    """Directories of services that died without closing their engine (SIGKILL, OOM killer): a
+    lock nobody holds."""
+    for directory in parent.glob(f"{PREFIX}*"):
+        try:
+            with open(directory / OWNER_LOCK, "rb") as owner:
+                fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # its service is alive
+            continue
+        except OSError:  # gone meanwhile, or not ours to open
+            continue
+        shutil.rmtree(directory, ignore_errors=True)

@@ -21,6 +21,7 @@ import tempfile
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from collections.abc import Set as AbstractSet
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -170,9 +171,7 @@ class VLLMEngine(Engine):
         engine = self._live()
         # Client ids may repeat; vLLM needs one id per live request to route outputs and aborts.
         request_id = f"{request.request_id}-{uuid.uuid4().hex}"
-        held = [
-            item.uuid for item in request.media if item.uuid is not None and self.handoff.hold(item.uuid, item.embeds)
-        ]
+        request, held = self._hand_off(request)
         deltas = _DeltaBuilder(self.tokenizer, self.eos_ids, request.prompt_tokens, request.sampling.logprobs)
         finished = False
         stream: AsyncGenerator[RequestOutput, None] | None = None
@@ -189,12 +188,28 @@ class VLLMEngine(Engine):
         except EngineDeadError:  # EngineCore died (OOM killer, crash): not this request's fault
             raise Unavailable(ENGINE_DEAD) from None
         finally:
-            if stream is not None:
-                await stream.aclose()
-            if not finished and self.failure() is None:  # consumer gone or error: free the KV blocks now
-                await engine.abort(request_id)
-            for item_uuid in held:  # after the abort: the engine no longer schedules this request
-                self.handoff.release(item_uuid)
+            try:
+                if stream is not None:
+                    await stream.aclose()
+                if not finished and self.failure() is None:  # consumer gone or error: free the KV blocks now
+                    await engine.abort(request_id)
+            finally:  # even when cancelled mid-abort: the files' grace covers a step still under way
+                for item_uuid in held:
+                    self.handoff.release(item_uuid)
+
+    def _hand_off(self, request: EngineRequest) -> tuple[EngineRequest, list[str]]:
+        """Holds a file for each item it can (their uuids, to release). An item that goes inline
+        although a file exists under its uuid (other rows: a rewritten blob) loses its uuid:
+        vLLM would load that file for it."""
+        held: list[str] = []
+        media = []
+        for item in request.media:
+            if item.uuid is not None and self.handoff.hold(item.uuid, item.embeds):
+                held.append(item.uuid)
+            elif item.uuid is not None and self.handoff.has(item.uuid):
+                item = replace(item, uuid=None)  # vLLM hashes the rows instead
+            media.append(item)
+        return replace(request, media=media), held
 
     def vllm_prompt(self, request: EngineRequest, handed_off: AbstractSet[str] = frozenset()) -> TokensPrompt:
         """The request as vLLM takes it: the prompt with one pad per item, grids as multimodal
