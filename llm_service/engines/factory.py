@@ -33,8 +33,8 @@ def load_engine(
     dtype: ModelDtype,
     max_model_len: int,
     kv_cache_gib: float | None,
-    enforce_eager: bool = False,
-    handoff_bytes: int = 0,
+    enforce_eager: bool,
+    handoff_bytes: int,
 ) -> Engine:
     """Imports only the chosen engine: vLLM is heavy and absent on some machines."""
     if resolve_engine_name(name) == "vllm":
