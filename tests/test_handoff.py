@@ -57,6 +57,24 @@ def test_a_file_stays_while_held_and_for_its_grace_then_goes_when_room_is_needed
     files.close()
 
 
+def test_a_request_ending_after_close_releases_quietly(parent: Path) -> None:
+    files = HandoffFiles(torch.bfloat16, 1 << 20, parent=parent)
+    assert files.hold("a", ROWS)
+    files.close()  # the engine shut down with the request still open
+    files.release("a")
+    assert not files.has("a") and not files.directory.exists()
+
+
+def test_a_forgotten_item_is_written_again_by_the_next_hold(parent: Path) -> None:
+    files = HandoffFiles(torch.bfloat16, 1 << 20, parent=parent)
+    assert files.hold("a", ROWS)
+    handoff_path(files.directory, "a").unlink()  # deleted behind our back; the engine said so
+    files.forget("a")
+    files.release("a")
+    assert files.hold("a", ROWS) and handoff_path(files.directory, "a").is_file()
+    files.close()
+
+
 def test_other_rows_under_a_held_uuid_go_inline(parent: Path) -> None:
     files = HandoffFiles(torch.bfloat16, 1 << 20, parent=parent)
     assert files.hold("a", ROWS)

@@ -294,6 +294,7 @@ async def test_a_handed_off_file_gone_fails_its_request_and_the_engine_lives(eng
     fast.handoff.release("emb:v1:test:deleted-behind-our-back")
     assert fast.failure() is None
     assert len(_tokens(await _collect(fast, request))) == 4
+    assert len(_tokens(await _collect(fast, gone))) == 4  # the retry wrote the file again
 
 
 async def test_a_uuid_reused_for_other_rows_answers_for_those_rows(engines: Engines, encoder, images) -> None:

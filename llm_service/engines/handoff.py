@@ -93,9 +93,19 @@ class HandoffFiles:
         return uuid in self._files
 
     def release(self, uuid: str) -> None:
-        file = self._files[uuid]
+        file = self._files.get(uuid)
+        if file is None:  # closed meanwhile: a request ending after its engine shut down
+            return
         file.holders -= 1
         file.released_at = time.monotonic()
+
+    def forget(self, uuid: str) -> None:
+        """The engine found no file for this item (deleted behind our back): the next hold writes
+        it again, instead of every later request naming a file that is gone."""
+        file = self._files.pop(uuid, None)
+        if file is not None:
+            self._bytes -= file.size
+            handoff_path(self.directory, uuid).unlink(missing_ok=True)
 
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)

@@ -62,6 +62,10 @@ DEFAULT_HANDOFF_BYTES = 256 * 1024 * 1024
 ENGINE_DEAD = "the vLLM engine process died; this service is restarting"
 
 
+class FileGone(Unavailable):
+    """A handed-off file the engine needed was gone; a retry writes it again."""
+
+
 class VLLMEngine(Engine):
     def __init__(
         self, engine: AsyncLLM, tokenizer: PreTrainedTokenizerBase, config: Qwen2VLConfig, eos_ids: set[int],
@@ -187,6 +191,10 @@ class VLLMEngine(Engine):
             raise InvalidInput(str(error)) from None
         except EngineDeadError:  # EngineCore died (OOM killer, crash): not this request's fault
             raise Unavailable(ENGINE_DEAD) from None
+        except FileGone:
+            for item_uuid in held:
+                self.handoff.forget(item_uuid)
+            raise
         finally:
             try:
                 if stream is not None:
@@ -325,7 +333,7 @@ def _finish_reason(reason: str | None) -> FinishReason:
     if reason in ("stop", "length"):
         return reason  # type: ignore[return-value]
     if reason == "error":  # vLLM's scheduler failed it: an item's handed-off file was gone (handoff_connector.py)
-        raise Unavailable("the engine could not load this request's embeddings; retry the request")
+        raise FileGone("the engine could not load this request's embeddings; retry the request")
     raise RuntimeError(f"vLLM ended the generation with finish reason {reason!r}")
 
 
