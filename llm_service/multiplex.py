@@ -8,7 +8,9 @@ set-up, and the chunks that one engine step makes for every call leave in one me
 Each call is served exactly as a Generate call of its own: a task runs the servicer's Generate
 through the server's per-call interceptors (shared/grpc_subcalls.py: drain count, request id,
 trace span, metrics, the error mapping), so its chunks, its errors and its metrics are those of
-Generate. Its chunks and its final status go out as events, in order per call.
+Generate. Its chunks and its final status go out as events, in order per call. Calls started
+together may come as one message (`MultiplexedCall.batch`, which the stream's initial metadata
+says it takes), taken in order.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from shared.grpc_subcalls import SubcallChain, SubcallContext
 from shared.pb.llm.v1 import llm_pb2
+from shared.sdk.generate_mux import BATCHING_METADATA
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +34,21 @@ GENERATE_METHOD = "/llm.v1.LLMService/Generate"
 # held for single_chunk goes out in pieces of up to 4 MiB), as it is as a Generate message.
 MAX_EVENTS_BYTES = 1 << 20
 _END_OF_EVENTS = None
+
+
+class MalformedBatch(ValueError):
+    """A batch message that also carries an action of its own, or a batch within its batch."""
+
+
+def _actions(message: llm_pb2.MultiplexedCall) -> Sequence[llm_pb2.MultiplexedCall]:
+    """The actions a message carries, in order: itself, or its batch."""
+    if not message.batch:
+        return (message,)
+    if message.call_id or message.WhichOneof("action") or message.metadata:
+        raise MalformedBatch("a GenerateMany message with a batch must carry nothing else (its actions are in `batch`)")
+    if any(action.batch for action in message.batch):
+        raise MalformedBatch("a GenerateMany batch must not hold another batch")
+    return message.batch
 
 
 def _status(code: grpc.StatusCode, details: str = "", trailing: tuple[tuple[str, str], ...] = ()) -> llm_pb2.CallStatus:
@@ -63,15 +81,18 @@ class MultiplexedStream:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _read(self, calls: AsyncIterator[llm_pb2.MultiplexedCall]) -> None:
+    async def _read(self, messages: AsyncIterator[llm_pb2.MultiplexedCall]) -> None:
         try:
-            async for call in calls:
-                if call.HasField("start"):
-                    self._start(call)
-                elif call.cancel and call.call_id in self._calls:
-                    self._calls[call.call_id].cancel()
+            async for message in messages:
+                for call in _actions(message):
+                    if call.HasField("start"):
+                        self._start(call)
+                    elif call.cancel and call.call_id in self._calls:
+                        self._calls[call.call_id].cancel()
         except DecodeError as error:  # the calls open go on; the stream then ends INVALID_ARGUMENT
             self.refusal = f"a message on the GenerateMany stream does not parse: {error}"
+        except MalformedBatch as error:
+            self.refusal = str(error)
         finally:
             self._reading = False
             self._end_if_idle()
@@ -154,6 +175,7 @@ class GenerateManyServicer:
     async def GenerateMany(
         self, calls: AsyncIterator[llm_pb2.MultiplexedCall], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[llm_pb2.MultiplexedEvents]:
+        await context.send_initial_metadata((BATCHING_METADATA,))
         stream = MultiplexedStream(self.subcalls, grpc.unary_stream_rpc_method_handler(self.Generate))
         async for message in stream.serve(calls):
             yield message

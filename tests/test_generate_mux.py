@@ -18,7 +18,7 @@ from typing import TypeVar
 import grpc
 import pytest
 
-from llm_service.multiplex import GenerateManyServicer
+from llm_service.multiplex import GenerateManyServicer, MultiplexedStream
 from shared.errors import EmbeddingNotFound, ServiceError, Unavailable
 from shared.grpc_server import RunningServer, ServerSecurity, start_server
 from shared.grpc_subcalls import SubcallChain
@@ -281,3 +281,93 @@ def test_new_calls_go_to_the_other_servers_while_one_drains(multiplex: int) -> N
     answers, firsts = asyncio.run(run())
     assert answers == [[f"new {i}"] for i in range(8)]
     assert sorted(firsts) == [f"first {i}" for i in range(4)]
+
+
+class CountingLLM(HeldLLM):
+    """HeldLLM that counts the GenerateMany messages it reads. `older`: it serves them as a service
+    from before MultiplexedCall.batch did: no word of batches in its initial metadata, and the field
+    unknown to its parser, so dropped."""
+
+    older = False
+
+    def __init__(self, subcalls: SubcallChain) -> None:
+        super().__init__(subcalls)
+        self.messages = 0
+        self.batches = 0
+
+    async def GenerateMany(
+        self, calls: AsyncIterator[llm_pb2.MultiplexedCall], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[llm_pb2.MultiplexedEvents]:
+        async def counted() -> AsyncIterator[llm_pb2.MultiplexedCall]:
+            async for message in calls:
+                self.messages += 1
+                self.batches += bool(message.batch)
+                if self.older:
+                    message.ClearField("batch")
+                yield message
+
+        if self.older:
+            stream = MultiplexedStream(self.subcalls, grpc.unary_stream_rpc_method_handler(self.Generate))
+            async for events in stream.serve(counted()):
+                yield events
+        else:
+            async for events in super().GenerateMany(counted(), context):
+                yield events
+
+
+class OlderLLM(CountingLLM):
+    older = True
+
+
+@pytest.mark.parametrize("servicer", [CountingLLM, OlderLLM], ids=["takes batches", "older service"])
+def test_calls_started_together_leave_in_one_message_where_the_service_takes_batches(
+    servicer: type[CountingLLM],
+) -> None:
+    """A burst of requests (32 at once through the gateway) would send a message per call; each costs
+    both processes a gRPC operation. Batched, the burst is one message; a service from before
+    batches gets one call a message, and answers them all."""
+
+    async def run() -> tuple[list[list[str]], int, int]:
+        running, counting = await _serve(servicer)
+        counting.release.set()
+        async with AsyncLLMClient(f"127.0.0.1:{running.port}", multiplex=1) as llm:
+            assert await _texts(llm, "first") == ["first"]  # the stream is open, its metadata read
+            before = counting.messages
+            answers = await asyncio.wait_for(asyncio.gather(*(_texts(llm, str(i)) for i in range(16))), 10)
+        await running.stop(0)
+        return list(answers), counting.messages - before, counting.batches
+
+    answers, messages, batches = asyncio.run(run())
+    assert answers == [[str(i)] for i in range(16)]
+    if servicer is OlderLLM:
+        assert (messages, batches) == (16, 0)
+    else:
+        assert (messages, batches) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("message", "complaint"),
+    [
+        (llm_pb2.MultiplexedCall(call_id=7, batch=[llm_pb2.MultiplexedCall(call_id=1, cancel=True)]), "nothing else"),
+        (
+            llm_pb2.MultiplexedCall(batch=[llm_pb2.MultiplexedCall(batch=[llm_pb2.MultiplexedCall(call_id=1)])]),
+            "another batch",
+        ),
+    ],
+    ids=["an action beside its batch", "a batch in a batch"],
+)
+def test_a_malformed_batch_ends_the_stream_invalid_argument(message: llm_pb2.MultiplexedCall, complaint: str) -> None:
+    async def run() -> tuple[grpc.StatusCode, str]:
+        running, _ = await _serve(HeldLLM)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = llm_pb2_grpc.LLMServiceStub(channel)
+            call = stub.GenerateMany(iter([message]))
+            with pytest.raises(grpc.RpcError):
+                async for _ in call:
+                    pass
+            status = await call.code(), await call.details()
+        await running.stop(0)
+        return status
+
+    code, details = asyncio.run(run())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and complaint in details

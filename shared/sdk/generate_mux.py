@@ -10,11 +10,16 @@ A service that is shutting down refuses new calls on its open streams, marked as
 rolling update: its pod drains while others serve). The stream then takes no more calls, and the
 refused call is made on another stream, as gRPC would send a call of its own to another pod once
 the draining one said GOAWAY.
+
+Calls started together leave in one message (`MultiplexedCall.batch`) once the service said in its
+stream's initial metadata that it takes them so: each message on a stream costs both processes a
+gRPC operation, and a burst of requests would otherwise send one per call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -29,6 +34,11 @@ from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc
 # re-resolve), or to one that was not ready yet when the first streams opened. Opening a stream
 # costs about what one call of its own does, so this is a small price.
 ROTATE_S = 10.0
+# In a GenerateMany stream's initial metadata: the service takes MultiplexedCall.batch.
+BATCHING_METADATA = ("llm-multiplex-batch", "1")
+# A batch stops taking more actions once this big (well under any server's message limit); one
+# action alone may be bigger (a start with an inline embedding), as it is when sent alone.
+MAX_BATCH_BYTES = 1 << 20
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -85,8 +95,11 @@ class _Stream:
         self.failure: MultiplexedCallError | None = None  # set once the stream broke or ended
         self._retired = False
         self._outbox: asyncio.Queue[llm_pb2.MultiplexedCall | None] = asyncio.Queue()
+        self._batching = False  # whether the service said it takes batches; until then, one action a message
+        self._held: list[llm_pb2.MultiplexedCall | None] = []  # what did not fit the last batch
         self._writer = asyncio.create_task(self._write())
         self._reader = asyncio.create_task(self._read())
+        self._listener = asyncio.create_task(self._learn_batching())
 
     @property
     def taking_calls(self) -> bool:
@@ -117,9 +130,9 @@ class _Stream:
     async def close(self) -> None:
         """Cancels the stream; its open calls end CANCELLED, as calls of a closed channel do."""
         self._rpc.cancel()
-        for task in (self._writer, self._reader):
+        for task in (self._writer, self._reader, self._listener):
             task.cancel()
-        await asyncio.gather(self._writer, self._reader, return_exceptions=True)
+        await asyncio.gather(self._writer, self._reader, self._listener, return_exceptions=True)
         self._fail_open_calls(MultiplexedCallError(grpc.StatusCode.CANCELLED, "the client was closed", of_stream=True))
 
     def _fail_open_calls(self, failure: MultiplexedCallError) -> None:
@@ -132,13 +145,35 @@ class _Stream:
         if self._retired and not self.calls:
             self._outbox.put_nowait(None)
 
+    async def _learn_batching(self) -> None:
+        # Not awaited by the writer: a service before batching sends its initial metadata only
+        # with its first answer, and calls must not wait for that.
+        with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
+            self._batching = BATCHING_METADATA in tuple(await self._rpc.initial_metadata() or ())
+
     async def _write(self) -> None:
         try:
-            while (message := await self._outbox.get()) is not None:
+            while (message := await self._next_message()) is not None:
                 await self._rpc.write(message)
             await self._rpc.done_writing()
         except (grpc.RpcError, asyncio.InvalidStateError):
             pass  # the stream broke: the reader reports how, to every open call
+
+    async def _next_message(self) -> llm_pb2.MultiplexedCall | None:
+        """The next action, or, where the service takes batches, every action waiting (up to
+        MAX_BATCH_BYTES) as one batch; None once the stream should end."""
+        first = self._held.pop() if self._held else await self._outbox.get()
+        if first is None or not self._batching or self._outbox.empty():
+            return first
+        actions, size = [first], first.ByteSize()
+        while not self._outbox.empty():
+            action = self._outbox.get_nowait()
+            if action is None or size + (action_size := action.ByteSize()) > MAX_BATCH_BYTES:
+                self._held.append(action)  # the end, or too big to join: it goes next
+                break
+            actions.append(action)
+            size += action_size
+        return actions[0] if len(actions) == 1 else llm_pb2.MultiplexedCall(batch=actions)
 
     async def _read(self) -> None:
         try:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10llm/v1/llm.proto\x12\x06llm.v1\"\xd2\x01\n\x0fMultiplexedCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12(\n\x05start\x18\x02 \x01(\x0b\x32\x17.llm.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x12\x37\n\x08metadata\x18\x04 \x03(\x0b\x32%.llm.v1.MultiplexedCall.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06\x61\x63tion\"=\n\x11MultiplexedEvents\x12(\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x18.llm.v1.MultiplexedEvent\"v\n\x10MultiplexedEvent\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.llm.v1.GenerateChunkH\x00\x12!\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x12.llm.v1.CallStatusH\x00\x42\x06\n\x04kind\"\xbe\x01\n\nCallStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\x12\x43\n\x11trailing_metadata\x18\x03 \x03(\x0b\x32(.llm.v1.CallStatus.TrailingMetadataEntry\x12\x13\n\x0bnot_started\x18\x04 \x01(\x08\x1a\x37\n\x15TrailingMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"=\n\x08ImageRef\x12\r\n\x03key\x18\x01 \x01(\tH\x00\x12\x18\n\x0e\x65mbedding_blob\x18\x02 \x01(\x0cH\x00\x42\x08\n\x06source\"=\n\x08VideoRef\x12\r\n\x03key\x18\x01 \x01(\tH\x00\x12\x18\n\x0e\x65mbedding_blob\x18\x02 \x01(\x0cH\x00\x42\x08\n\x06source\"k\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12!\n\x05image\x18\x02 \x01(\x0b\x32\x10.llm.v1.ImageRefH\x00\x12!\n\x05video\x18\x03 \x01(\x0b\x32\x10.llm.v1.VideoRefH\x00\x42\x06\n\x04part\"A\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12$\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x13.llm.v1.ContentPart\"\xf3\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x10\n\x08logprobs\x18\x06 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\x05\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\x9b\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.llm.v1.ChatMessage\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.llm.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x14\n\x0csingle_chunk\x18\x05 \x01(\x08\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xa3\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12+\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x14.llm.v1.FinishReason\x12\x1c\n\x05usage\x18\x04 \x01(\x0b\x32\r.llm.v1.Usage\x12&\n\x08logprobs\x18\x05 \x03(\x0b\x32\x14.llm.v1.TokenLogprob\"M\n\nTopLogprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05\x62ytes\x18\x03 \x01(\x0c\x12\x10\n\x08token_id\x18\x04 \x01(\x03\"g\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05\x62ytes\x18\x03 \x01(\x0c\x12(\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x12.llm.v1.TopLogprob\"\x13\n\x11ListModelsRequest\"\\\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1c\n\x14\x61\x63\x63\x65pted_encoder_ids\x18\x02 \x03(\t\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\"4\n\x0fListModelsReply\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.llm.v1.ModelInfo*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xd4\x01\n\nLLMService\x12<\n\x08Generate\x12\x17.llm.v1.GenerateRequest\x1a\x15.llm.v1.GenerateChunk0\x01\x12@\n\nListModels\x12\x19.llm.v1.ListModelsRequest\x1a\x17.llm.v1.ListModelsReply\x12\x46\n\x0cGenerateMany\x12\x17.llm.v1.MultiplexedCall\x1a\x19.llm.v1.MultiplexedEvents(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10llm/v1/llm.proto\x12\x06llm.v1\"\xfa\x01\n\x0fMultiplexedCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12(\n\x05start\x18\x02 \x01(\x0b\x32\x17.llm.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x12\x37\n\x08metadata\x18\x04 \x03(\x0b\x32%.llm.v1.MultiplexedCall.MetadataEntry\x12&\n\x05\x62\x61tch\x18\x05 \x03(\x0b\x32\x17.llm.v1.MultiplexedCall\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06\x61\x63tion\"=\n\x11MultiplexedEvents\x12(\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x18.llm.v1.MultiplexedEvent\"v\n\x10MultiplexedEvent\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.llm.v1.GenerateChunkH\x00\x12!\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x12.llm.v1.CallStatusH\x00\x42\x06\n\x04kind\"\xbe\x01\n\nCallStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\x12\x43\n\x11trailing_metadata\x18\x03 \x03(\x0b\x32(.llm.v1.CallStatus.TrailingMetadataEntry\x12\x13\n\x0bnot_started\x18\x04 \x01(\x08\x1a\x37\n\x15TrailingMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"=\n\x08ImageRef\x12\r\n\x03key\x18\x01 \x01(\tH\x00\x12\x18\n\x0e\x65mbedding_blob\x18\x02 \x01(\x0cH\x00\x42\x08\n\x06source\"=\n\x08VideoRef\x12\r\n\x03key\x18\x01 \x01(\tH\x00\x12\x18\n\x0e\x65mbedding_blob\x18\x02 \x01(\x0cH\x00\x42\x08\n\x06source\"k\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12!\n\x05image\x18\x02 \x01(\x0b\x32\x10.llm.v1.ImageRefH\x00\x12!\n\x05video\x18\x03 \x01(\x0b\x32\x10.llm.v1.VideoRefH\x00\x42\x06\n\x04part\"A\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12$\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x13.llm.v1.ContentPart\"\xf3\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x10\n\x08logprobs\x18\x06 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\x05\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\x9b\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.llm.v1.ChatMessage\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.llm.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x14\n\x0csingle_chunk\x18\x05 \x01(\x08\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xa3\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12+\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x14.llm.v1.FinishReason\x12\x1c\n\x05usage\x18\x04 \x01(\x0b\x32\r.llm.v1.Usage\x12&\n\x08logprobs\x18\x05 \x03(\x0b\x32\x14.llm.v1.TokenLogprob\"M\n\nTopLogprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05\x62ytes\x18\x03 \x01(\x0c\x12\x10\n\x08token_id\x18\x04 \x01(\x03\"g\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05\x62ytes\x18\x03 \x01(\x0c\x12(\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x12.llm.v1.TopLogprob\"\x13\n\x11ListModelsRequest\"\\\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1c\n\x14\x61\x63\x63\x65pted_encoder_ids\x18\x02 \x03(\t\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\"4\n\x0fListModelsReply\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.llm.v1.ModelInfo*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xd4\x01\n\nLLMService\x12<\n\x08Generate\x12\x17.llm.v1.GenerateRequest\x1a\x15.llm.v1.GenerateChunk0\x01\x12@\n\nListModels\x12\x19.llm.v1.ListModelsRequest\x1a\x17.llm.v1.ListModelsReply\x12\x46\n\x0cGenerateMany\x12\x17.llm.v1.MultiplexedCall\x1a\x19.llm.v1.MultiplexedEvents(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,46 +35,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MULTIPLEXEDCALL_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_CALLSTATUS_TRAILINGMETADATAENTRY']._loaded_options = None
   _globals['_CALLSTATUS_TRAILINGMETADATAENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1901
-  _globals['_FINISHREASON']._serialized_end=1996
+  _globals['_FINISHREASON']._serialized_start=1941
+  _globals['_FINISHREASON']._serialized_end=2036
   _globals['_MULTIPLEXEDCALL']._serialized_start=29
-  _globals['_MULTIPLEXEDCALL']._serialized_end=239
-  _globals['_MULTIPLEXEDCALL_METADATAENTRY']._serialized_start=182
-  _globals['_MULTIPLEXEDCALL_METADATAENTRY']._serialized_end=229
-  _globals['_MULTIPLEXEDEVENTS']._serialized_start=241
-  _globals['_MULTIPLEXEDEVENTS']._serialized_end=302
-  _globals['_MULTIPLEXEDEVENT']._serialized_start=304
-  _globals['_MULTIPLEXEDEVENT']._serialized_end=422
-  _globals['_CALLSTATUS']._serialized_start=425
-  _globals['_CALLSTATUS']._serialized_end=615
-  _globals['_CALLSTATUS_TRAILINGMETADATAENTRY']._serialized_start=560
-  _globals['_CALLSTATUS_TRAILINGMETADATAENTRY']._serialized_end=615
-  _globals['_IMAGEREF']._serialized_start=617
-  _globals['_IMAGEREF']._serialized_end=678
-  _globals['_VIDEOREF']._serialized_start=680
-  _globals['_VIDEOREF']._serialized_end=741
-  _globals['_CONTENTPART']._serialized_start=743
-  _globals['_CONTENTPART']._serialized_end=850
-  _globals['_CHATMESSAGE']._serialized_start=852
-  _globals['_CHATMESSAGE']._serialized_end=917
-  _globals['_SAMPLINGPARAMS']._serialized_start=920
-  _globals['_SAMPLINGPARAMS']._serialized_end=1163
-  _globals['_GENERATEREQUEST']._serialized_start=1166
-  _globals['_GENERATEREQUEST']._serialized_end=1321
-  _globals['_USAGE']._serialized_start=1323
-  _globals['_USAGE']._serialized_end=1380
-  _globals['_GENERATECHUNK']._serialized_start=1383
-  _globals['_GENERATECHUNK']._serialized_end=1546
-  _globals['_TOPLOGPROB']._serialized_start=1548
-  _globals['_TOPLOGPROB']._serialized_end=1625
-  _globals['_TOKENLOGPROB']._serialized_start=1627
-  _globals['_TOKENLOGPROB']._serialized_end=1730
-  _globals['_LISTMODELSREQUEST']._serialized_start=1732
-  _globals['_LISTMODELSREQUEST']._serialized_end=1751
-  _globals['_MODELINFO']._serialized_start=1753
-  _globals['_MODELINFO']._serialized_end=1845
-  _globals['_LISTMODELSREPLY']._serialized_start=1847
-  _globals['_LISTMODELSREPLY']._serialized_end=1899
-  _globals['_LLMSERVICE']._serialized_start=1999
-  _globals['_LLMSERVICE']._serialized_end=2211
+  _globals['_MULTIPLEXEDCALL']._serialized_end=279
+  _globals['_MULTIPLEXEDCALL_METADATAENTRY']._serialized_start=222
+  _globals['_MULTIPLEXEDCALL_METADATAENTRY']._serialized_end=269
+  _globals['_MULTIPLEXEDEVENTS']._serialized_start=281
+  _globals['_MULTIPLEXEDEVENTS']._serialized_end=342
+  _globals['_MULTIPLEXEDEVENT']._serialized_start=344
+  _globals['_MULTIPLEXEDEVENT']._serialized_end=462
+  _globals['_CALLSTATUS']._serialized_start=465
+  _globals['_CALLSTATUS']._serialized_end=655
+  _globals['_CALLSTATUS_TRAILINGMETADATAENTRY']._serialized_start=600
+  _globals['_CALLSTATUS_TRAILINGMETADATAENTRY']._serialized_end=655
+  _globals['_IMAGEREF']._serialized_start=657
+  _globals['_IMAGEREF']._serialized_end=718
+  _globals['_VIDEOREF']._serialized_start=720
+  _globals['_VIDEOREF']._serialized_end=781
+  _globals['_CONTENTPART']._serialized_start=783
+  _globals['_CONTENTPART']._serialized_end=890
+  _globals['_CHATMESSAGE']._serialized_start=892
+  _globals['_CHATMESSAGE']._serialized_end=957
+  _globals['_SAMPLINGPARAMS']._serialized_start=960
+  _globals['_SAMPLINGPARAMS']._serialized_end=1203
+  _globals['_GENERATEREQUEST']._serialized_start=1206
+  _globals['_GENERATEREQUEST']._serialized_end=1361
+  _globals['_USAGE']._serialized_start=1363
+  _globals['_USAGE']._serialized_end=1420
+  _globals['_GENERATECHUNK']._serialized_start=1423
+  _globals['_GENERATECHUNK']._serialized_end=1586
+  _globals['_TOPLOGPROB']._serialized_start=1588
+  _globals['_TOPLOGPROB']._serialized_end=1665
+  _globals['_TOKENLOGPROB']._serialized_start=1667
+  _globals['_TOKENLOGPROB']._serialized_end=1770
+  _globals['_LISTMODELSREQUEST']._serialized_start=1772
+  _globals['_LISTMODELSREQUEST']._serialized_end=1791
+  _globals['_MODELINFO']._serialized_start=1793
+  _globals['_MODELINFO']._serialized_end=1885
+  _globals['_LISTMODELSREPLY']._serialized_start=1887
+  _globals['_LISTMODELSREPLY']._serialized_end=1939
+  _globals['_LLMSERVICE']._serialized_start=2039
+  _globals['_LLMSERVICE']._serialized_end=2251
 # @@protoc_insertion_point(module_scope)

@@ -17,7 +17,7 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
 class MultiplexedCall(_message.Message):
-    __slots__ = ("call_id", "start", "cancel", "metadata")
+    __slots__ = ("call_id", "start", "cancel", "metadata", "batch")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -29,11 +29,13 @@ class MultiplexedCall(_message.Message):
     START_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     start: GenerateRequest
     cancel: bool
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, call_id: _Optional[int] = ..., start: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    batch: _containers.RepeatedCompositeFieldContainer[MultiplexedCall]
+    def __init__(self, call_id: _Optional[int] = ..., start: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., metadata: _Optional[_Mapping[str, str]] = ..., batch: _Optional[_Iterable[_Union[MultiplexedCall, _Mapping]]] = ...) -> None: ...
 
 class MultiplexedEvents(_message.Message):
     __slots__ = ("events",)
