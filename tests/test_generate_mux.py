@@ -294,6 +294,7 @@ class CountingLLM(HeldLLM):
         super().__init__(subcalls)
         self.messages = 0
         self.batches = 0
+        self.largest = 0  # bytes of the largest message read
 
     async def GenerateMany(
         self, calls: AsyncIterator[llm_pb2.MultiplexedCall], context: grpc.aio.ServicerContext
@@ -302,6 +303,7 @@ class CountingLLM(HeldLLM):
             async for message in calls:
                 self.messages += 1
                 self.batches += bool(message.batch)
+                self.largest = max(self.largest, message.ByteSize())
                 if self.older:
                     message.ClearField("batch")
                 yield message
@@ -371,3 +373,26 @@ def test_a_malformed_batch_ends_the_stream_invalid_argument(message: llm_pb2.Mul
 
     code, details = asyncio.run(run())
     assert code == grpc.StatusCode.INVALID_ARGUMENT and complaint in details
+
+
+def test_a_batch_is_no_bigger_than_a_message_the_client_would_send() -> None:
+    """A client whose message limit is small (its service's too, as they are set alike) batches
+    within it, so a burst does not become one message the service refuses, failing every call."""
+    limit = 8 * 1024
+
+    async def run() -> tuple[list[list[str]], int, int]:
+        running, counting = await _serve(CountingLLM)
+        counting.release.set()
+        config = ChannelConfig(max_message_bytes=limit)
+        async with AsyncLLMClient(f"127.0.0.1:{running.port}", config=config, multiplex=1) as llm:
+            assert await _texts(llm, "first") == ["first"]
+            before = counting.messages
+            ids = [f"{i}-" + "x" * 1000 for i in range(32)]  # about 1 KB per start
+            answers = await asyncio.wait_for(asyncio.gather(*(_texts(llm, i) for i in ids)), 10)
+            assert answers == [[i] for i in ids]
+        await running.stop(0)
+        return list(answers), counting.messages - before, counting.largest
+
+    _, messages, largest = asyncio.run(run())
+    assert largest <= limit
+    assert 1 < messages < 32

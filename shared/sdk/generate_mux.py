@@ -36,8 +36,9 @@ from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc
 ROTATE_S = 10.0
 # In a GenerateMany stream's initial metadata: the service takes MultiplexedCall.batch.
 BATCHING_METADATA = ("llm-multiplex-batch", "1")
-# A batch stops taking more actions once this big (well under any server's message limit); one
-# action alone may be bigger (a start with an inline embedding), as it is when sent alone.
+# A batch stops taking more actions once this big, or the client's message limit if smaller (a
+# batch is no bigger than a message the client would send anyway); one action alone may be bigger
+# (a start with an inline embedding), as it is when sent alone.
 MAX_BATCH_BYTES = 1 << 20
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -88,8 +89,11 @@ class _Stream:
     """One GenerateMany call: a writer task sends starts and cancels in order, a reader task hands
     each event to its call's queue."""
 
-    def __init__(self, stub: llm_pb2_grpc.LLMServiceStub, metadata: tuple[tuple[str, str], ...]) -> None:
+    def __init__(
+        self, stub: llm_pb2_grpc.LLMServiceStub, metadata: tuple[tuple[str, str], ...], max_batch_bytes: int
+    ) -> None:
         self._rpc = stub.GenerateMany(metadata=metadata)
+        self._max_batch_bytes = max_batch_bytes
         self.opened = time.monotonic()
         self.calls: dict[int, asyncio.Queue[_Arrival]] = {}
         self.failure: MultiplexedCallError | None = None  # set once the stream broke or ended
@@ -161,14 +165,14 @@ class _Stream:
 
     async def _next_message(self) -> llm_pb2.MultiplexedCall | None:
         """The next action, or, where the service takes batches, every action waiting (up to
-        MAX_BATCH_BYTES) as one batch; None once the stream should end."""
+        its max_batch_bytes) as one batch; None once the stream should end."""
         first = self._held.pop() if self._held else await self._outbox.get()
         if first is None or not self._batching or self._outbox.empty():
             return first
         actions, size = [first], first.ByteSize()
         while not self._outbox.empty():
             action = self._outbox.get_nowait()
-            if action is None or size + (action_size := action.ByteSize()) > MAX_BATCH_BYTES:
+            if action is None or size + (action_size := action.ByteSize()) > self._max_batch_bytes:
                 self._held.append(action)  # the end, or too big to join: it goes next
                 break
             actions.append(action)
@@ -218,10 +222,12 @@ class GenerateMultiplexer:
         stream_metadata: tuple[tuple[str, str], ...],
         call_metadata: Callable[[], dict[str, str]] | None = None,
         streams: int = 1,
+        max_message_bytes: int = MAX_BATCH_BYTES,
     ) -> None:
         if streams < 1:
             raise ValueError(f"streams must be at least 1 (got {streams})")
         self._stub = llm_pb2_grpc.LLMServiceStub(channel)
+        self._max_batch_bytes = min(MAX_BATCH_BYTES, max_message_bytes)
         self._stream_metadata = stream_metadata
         self._call_metadata = call_metadata  # e.g. the caller's trace context (ChannelConfig.call_metadata)
         self._streams: list[_Stream | None] = [None] * streams
@@ -285,5 +291,5 @@ class GenerateMultiplexer:
         if stream is not None:
             stream.retire()
             self._retired = {s for s in self._retired if s.failure is None} | {stream}
-        fresh = self._streams[slot] = _Stream(self._stub, self._stream_metadata)
+        fresh = self._streams[slot] = _Stream(self._stub, self._stream_metadata, self._max_batch_bytes)
         return fresh

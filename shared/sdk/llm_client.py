@@ -48,7 +48,11 @@ class AsyncLLMClient(AsyncClient):
     ) -> None:
         super().__init__(SERVICE, llm_pb2_grpc.LLMServiceStub, target, timeout_s, config)
         token, extra = call_metadata(self._config.token), self._config.call_metadata
-        self._mux = GenerateMultiplexer(self._channel, token, extra, multiplex) if multiplex else None
+        self._mux = (
+            GenerateMultiplexer(self._channel, token, extra, multiplex, self._config.max_message_bytes)
+            if multiplex
+            else None
+        )
         self._unsupported_mux: GenerateMultiplexer | None = None  # closed with the client
 
     async def generate(
