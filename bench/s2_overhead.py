@@ -248,7 +248,10 @@ def _fill(
 
 
 def run(stack: StackOptions, options: OverheadOptions, log_dir: Path, nonce: int) -> ScenarioResult:
-    rounds, sequential = (4, 24) if options.quick else (5, 32)
+    # Quick rounds last ~0.2 s, and a stall of either system's engine (a full garbage collection in
+    # vLLM's CPU worker, whose heap vLLM does not freeze there: 0.3-0.8 s, seen in both) costs one
+    # of them a whole round: more rounds, and more pairs, so that one stall moves the ratio less.
+    rounds, sequential = (8, 48) if options.quick else (5, 32)
     side = image_side_px(options.checkpoint)
     title = f"Overhead: gateway -> LLM service ({stack.engine}) vs plain vLLM given each image by uuid only"
     config = {"checkpoint": str(options.checkpoint), "engine": stack.engine, "dtype": stack.dtype, "eager": stack.eager,
