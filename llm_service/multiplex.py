@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError
 
 from shared.grpc_subcalls import SubcallChain, SubcallContext
 from shared.pb.llm.v1 import llm_pb2
-from shared.sdk.generate_mux import BATCHING_METADATA
+from shared.sdk.generate_mux import BATCHING_METADATA, take_waiting
 
 logger = logging.getLogger(__name__)
 
@@ -149,15 +149,7 @@ class MultiplexedStream:
             first = self._held.pop() if self._held else await self._events.get()
             if first is _END_OF_EVENTS:
                 return
-            events, size = [first], first.ByteSize()
-            while not self._events.empty():
-                event = self._events.get_nowait()
-                if event is not _END_OF_EVENTS and size + (event_size := event.ByteSize()) <= MAX_EVENTS_BYTES:
-                    events.append(event)
-                    size += event_size
-                else:  # the end, or an event too big to join: it opens the next message
-                    self._held.append(event)
-                    break
+            events = take_waiting(first, self._events, self._held, MAX_EVENTS_BYTES)
             yield llm_pb2.MultiplexedEvents(events=events)
 
 

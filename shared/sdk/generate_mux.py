@@ -23,8 +23,10 @@ import contextlib
 import itertools
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc
 
@@ -41,6 +43,7 @@ BATCHING_METADATA = ("llm-multiplex-batch", "1")
 # (a start with an inline embedding), as it is when sent alone.
 MAX_BATCH_BYTES = 1 << 20
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+ProtoT = TypeVar("ProtoT", bound=Message)
 
 
 class MultiplexedCallError(grpc.RpcError):
@@ -83,6 +86,23 @@ def _ending(status: llm_pb2.CallStatus) -> MultiplexedCallError | None:
         return None
     trailing = tuple(status.trailing_metadata.items())
     return MultiplexedCallError(code, status.details, trailing, not_started=status.not_started)
+
+
+def take_waiting(
+    first: ProtoT, waiting: asyncio.Queue[ProtoT | None], held: list[ProtoT | None], max_bytes: int
+) -> list[ProtoT]:
+    """`first` and the messages waiting behind it, in order, while their sizes add up to at most
+    `max_bytes` (`first` alone may be bigger). The first one that does not fit, or the end (None),
+    goes into `held`, to come first next time. Both ends of GenerateMany batch so."""
+    taken, size = [first], first.ByteSize()
+    while not waiting.empty():
+        item = waiting.get_nowait()
+        if item is None or size + (item_size := item.ByteSize()) > max_bytes:
+            held.append(item)
+            break
+        taken.append(item)
+        size += item_size
+    return taken
 
 
 class _Stream:
@@ -169,14 +189,7 @@ class _Stream:
         first = self._held.pop() if self._held else await self._outbox.get()
         if first is None or not self._batching or self._outbox.empty():
             return first
-        actions, size = [first], first.ByteSize()
-        while not self._outbox.empty():
-            action = self._outbox.get_nowait()
-            if action is None or size + (action_size := action.ByteSize()) > self._max_batch_bytes:
-                self._held.append(action)  # the end, or too big to join: it goes next
-                break
-            actions.append(action)
-            size += action_size
+        actions = take_waiting(first, self._outbox, self._held, self._max_batch_bytes)
         return actions[0] if len(actions) == 1 else llm_pb2.MultiplexedCall(batch=actions)
 
     async def _read(self) -> None:
