@@ -28,3 +28,7 @@ REQUEST_STAGE_SECONDS = Histogram(
 # (queued or in prefill), and submitted and not finished.
 REQUESTS_WAITING = Gauge("llm_requests_waiting", "Requests submitted to the engine that have no first token yet.")
 REQUESTS_IN_ENGINE = Gauge("llm_requests_in_engine", "Requests submitted to the engine and not finished.")
+ENGINE_FROZEN_OBJECTS = Gauge(
+    "llm_engine_gc_frozen_objects",
+    "Objects the engine's own processes (vLLM's workers) froze once warmed up; 0 for an in-process engine.",
+)

@@ -7,6 +7,7 @@ import asyncio
 import grpc
 from transformers import AutoConfig
 
+from llm_service import metrics
 from llm_service.blob_cache import BlobCache
 from llm_service.chat_request import SamplingLimits
 from llm_service.core import LLMCore
@@ -70,6 +71,8 @@ async def start_llm_server(settings: LLMSettings, core: LLMCore | None = None) -
     starts serving, and reports SERVING while Redis answers and the engine lives."""
     core = core or build_core(settings)
     await warm_up(core.engine)
+    # Warmed up, the engine's processes hold what they keep for life: out of the collector's reach.
+    metrics.ENGINE_FROZEN_OBJECTS.set(await core.engine.freeze_startup_heaps())
     limits = SamplingLimits(settings.default_max_tokens, settings.max_tokens_limit)
 
     def register(server: grpc.aio.Server, subcalls: SubcallChain) -> None:

@@ -244,6 +244,11 @@ class Engine(Protocol):
         """Stream deltas for one request; closing the iterator cancels the generation."""
         ...
 
+    async def freeze_startup_heaps(self) -> int:
+        """Freezes the start-up heap (shared/gc_heap.py) of each process the engine runs apart
+        from the service, once warmed up; returns how many objects they froze (0: it runs none)."""
+        ...
+
     def close(self) -> None:
         """Releases the model (and any engine process); the engine is unusable afterwards."""
         ...

@@ -190,6 +190,9 @@ class TransformersEngine(Engine):
     def failure(self) -> str | None:
         return None  # in-process: it fails with the service, never without it
 
+    async def freeze_startup_heaps(self) -> int:
+        return 0  # in-process: its heap is the service's, which the service freezes itself
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[GenerationDelta]:
         self._validate(request)
         loop = asyncio.get_running_loop()

@@ -164,6 +164,12 @@ class VLLMEngine(Engine):
         # `errored`: vLLM's process monitor saw EngineCore exit, or its output handler failed.
         return ENGINE_DEAD if self.engine is None or self.engine.errored else None
 
+    async def freeze_startup_heaps(self) -> int:
+        """Each of EngineCore's workers freezes its heap (vllm_worker.py); EngineCore freezes its
+        own once started (vLLM's EngineCoreProc)."""
+        frozen: list[int] = await self._live().collective_rpc("freeze_startup_heap")
+        return sum(frozen)
+
     def _live(self) -> AsyncLLM:
         """The engine; Unavailable once it is closed or its process died."""
         if self.engine is None or self.engine.errored:

@@ -17,7 +17,7 @@ inherit (`ENGINE_PARENT_PID`), and the parent check against that pid catches a s
 before the tie.
 
 EngineCore's workers are tied to EngineCore the same way, from the one module of ours vLLM
-imports in them (vllm_worker_tie.py); a worker thus dies with EngineCore, and EngineCore with the
+imports in them (vllm_worker.py); a worker thus dies with EngineCore, and EngineCore with the
 service.
 
 Executors that run no EngineCore process of their own (ray, an external launcher) are left as
@@ -74,7 +74,7 @@ def dying_with_service(config: VllmConfig) -> Iterator[type[Executor]]:
     to EngineCore. The service's pid is in the environment only during the block, while the
     engine processes start: no other process this one starts may take it for its parent."""
     if not config.parallel_config.worker_extension_cls:
-        config.parallel_config.worker_extension_cls = "llm_service.engines.vllm_worker_tie.DiesWithEngineCore"
+        config.parallel_config.worker_extension_cls = "llm_service.engines.vllm_worker.WorkerExtension"
     chosen = Executor.get_class(config)
     os.environ[ENGINE_PARENT_PID] = str(os.getpid())
     try:
