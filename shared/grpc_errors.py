@@ -41,30 +41,36 @@ async def _abort(context: grpc.aio.ServicerContext, error: ServiceError) -> None
     await context.abort(error.kind.grpc_code, error.message)
 
 
-async def _answer_cancellation(context: grpc.aio.ServicerContext, cancelled: asyncio.CancelledError) -> None:
+async def _answer_cancellation(context: grpc.aio.ServicerContext) -> bool:
     """A call whose work was cancelled. When grpc cancelled the call itself (its client hung up,
     its deadline passed, the server is stopping), this task was asked to cancel and nobody waits
-    for an answer: the cancellation goes on. When work the call awaited was cancelled under it (an
-    engine shutting down), grpc would end the call without a status and the client would wait for
-    its deadline: it is answered Unavailable (503, retry), the service is going away."""
+    for an answer: the cancellation goes on (True). When work the call awaited was cancelled under
+    it (an engine shutting down), grpc would end the call without a status and the client would
+    wait for its deadline: it is answered Unavailable (503, retry), the service is going away."""
     task = asyncio.current_task()
     if task is None or task.cancelling() > 0:
-        raise cancelled
+        return True
     await _abort(context, Unavailable("the service stopped this call (it is shutting down); retry"))
+    return False
 
 
-async def _answer(context: grpc.aio.ServicerContext, error: BaseException, kind: str) -> None:
+async def _answer(context: grpc.aio.ServicerContext, error: BaseException, kind: str) -> bool:
     """The one mapping from what a servicer raised to the call's status, for unary and streaming
-    RPCs alike. Called from inside the `except` block, so the log keeps the traceback."""
+    RPCs alike. Called from inside the `except` block, so the log keeps the traceback.
+
+    True: `error` goes on as it is, and the caller re-raises it with a bare `raise`. Raising it
+    here would add this frame, which holds `error`, to the error's own traceback: a reference
+    cycle per failed or cancelled call, everything the call held kept until a collection."""
     if isinstance(error, grpc.aio.AbortError):  # context.abort() already set the status
-        raise error
+        return True
     if isinstance(error, ServiceError):
         await _abort(context, error)
     elif isinstance(error, asyncio.CancelledError):
-        await _answer_cancellation(context, error)
+        return await _answer_cancellation(context)
     else:
         logger.exception("unhandled error in %s RPC", kind)
         await _abort(context, Internal("internal error; see the service log"))
+    return False
 
 
 @dataclass(frozen=True)
@@ -97,7 +103,8 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaita
         try:
             return await behavior(_decoded(request), context)
         except (Exception, asyncio.CancelledError) as error:
-            await _answer(context, error, "unary")
+            if await _answer(context, error, "unary"):
+                raise
 
     return wrapper
 
@@ -109,7 +116,8 @@ def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., A
                 yield item
         # Not GeneratorExit: a closed stream must close, not be answered.
         except (Exception, asyncio.CancelledError) as error:
-            await _answer(context, error, "streaming")
+            if await _answer(context, error, "streaming"):
+                raise
 
     return wrapper
 

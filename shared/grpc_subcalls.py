@@ -73,15 +73,18 @@ class SubcallChain:
 
     async def resolve(self, method: str, metadata: Metadata, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """`handler` wrapped as the interceptors wrap a call of `method` with `metadata`."""
-
-        def step(index: int) -> Continuation:
-            async def continuation(details: Any) -> grpc.RpcMethodHandler | None:
-                if index == len(self._interceptors):
-                    return handler
-                return await self._interceptors[index].intercept_service(step(index + 1), details)
-
-            return continuation
-
-        resolved = await step(0)(_CallDetails(method, metadata))
+        resolved = await self._continuation(0, handler)(_CallDetails(method, metadata))
         assert resolved is not None  # our interceptors wrap a handler; none drops it
         return resolved
+
+    def _continuation(self, index: int, handler: grpc.RpcMethodHandler) -> Continuation:
+        """What interceptor `index` calls to go on: the next one, or past the last, `handler`. A
+        method, not a closure calling itself: that is a reference cycle per call, left to the
+        garbage collector."""
+
+        async def continuation(details: Any) -> grpc.RpcMethodHandler | None:
+            if index == len(self._interceptors):
+                return handler
+            return await self._interceptors[index].intercept_service(self._continuation(index + 1, handler), details)
+
+        return continuation

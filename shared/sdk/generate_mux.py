@@ -261,7 +261,9 @@ class GenerateMultiplexer:
         # A timer that queues the deadline's error: `asyncio.timeout` cannot span a generator's
         # yields (it would cancel whatever its consumer does at that moment). It reads `queue` when
         # it fires: the queue of the stream the call is on by then.
-        deadline = MultiplexedCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        deadline: MultiplexedCallError | None = MultiplexedCallError(
+            grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
+        )
         timer = asyncio.get_running_loop().call_later(timeout_s, lambda: queue.put_nowait(deadline))
         # Each refusal retires a stream, so after one per stream the call is on a fresh one.
         refusals_left = len(self._streams)
@@ -285,6 +287,9 @@ class GenerateMultiplexer:
             timer.cancel()
             if not ended:
                 stream.cancel(call_id)
+            # The error raised holds this frame in its traceback, and this frame holds the error:
+            # let go of it, or the two are a reference cycle, left to the garbage collector.
+            arrival = deadline = None
 
     async def close(self) -> None:
         streams = [*self._retired, *(stream for stream in self._streams if stream is not None)]
