@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from gateway import summary
+from gateway.event_response import LastEvents
 from gateway.openai_logprobs import logprobs_body
 from shared.errors import Internal, ServiceError
 from shared.sdk import GenerationChunk, TokenLogprob
@@ -85,9 +86,11 @@ async def event_stream(
     becomes an error event, then [DONE].
 
     Events made ready together go out as one body write: the role events with the first chunk's,
-    a chunk's content with its finish_reason, the usage chunk with [DONE]. Each write is a send
-    through every ASGI layer and a syscall, the gateway's main cost per token; an SSE client reads
-    events, however they were cut into writes."""
+    a chunk's content with its finish_reason. Once every choice has finished, what is left waits
+    for the end of the stream (which comes with the last chunk) and goes out with the usage chunk,
+    [DONE] and the response's end, as the last write (LastEvents). Each write is a send through
+    every ASGI layer and a syscall, the gateway's main cost per token; an SSE client reads events,
+    however they were cut into writes."""
     created = int(time.time())
     usage = _Usage()
 
@@ -109,6 +112,7 @@ async def event_stream(
         return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs_body(logprobs)}
 
     ready = [frame([choice(index, {"role": "assistant", "content": ""})]) for index in range(n)]
+    unfinished = n
     try:
         async for index, chunk in chunks:
             # Tokens of an incomplete character come with no text, but their logprobs still go out.
@@ -117,7 +121,8 @@ async def event_stream(
             if chunk.finish_reason is not None:
                 usage.add(chunk)
                 ready.append(frame([choice(index, {}, chunk.finish_reason)]))
-            if ready:
+                unfinished -= 1
+            if ready and unfinished:
                 yield "".join(ready)
                 ready = []
         if include_usage:
@@ -128,4 +133,4 @@ async def event_stream(
         logger.exception("unexpected error while streaming %s", completion_id)
         ready.append(_sse(error_body(Internal("internal error; see the gateway log"))))
     ready.append("data: [DONE]\n\n")
-    yield "".join(ready)
+    yield LastEvents("".join(ready))
