@@ -46,7 +46,10 @@ async def _pass(client: httpx.AsyncClient, body: dict[str, Any], concurrency: in
 async def measure(
     base_url: str, model: str, pids: dict[str, int], concurrency: int, requests: int, stream: bool
 ) -> str:
-    async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
+    # One kept-alive connection per client: httpx keeps 20 by default, so past 20 clients most
+    # requests paid a new connection, measured as the gateway's CPU per request.
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as client:
         encoded = await client.post("/v1/images/encode", json={"image_url": data_url(make_image(7, 224))})
         body = _body(model, encoded.raise_for_status().json()["key"], stream)
         await _pass(client, body, concurrency, requests)  # warm-up
