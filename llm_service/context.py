@@ -28,3 +28,15 @@ def fit_to_context(prompt_tokens: int, sampling: SamplingParams, max_model_len: 
             param="messages",
         )
     return sampling if sampling.max_tokens <= room else replace(sampling, max_tokens=room)
+
+
+def refuse_text_over_context(text_chars: int, min_tokens: int, max_model_len: int) -> None:
+    """ContextLengthExceeded when a prompt's text alone is surely too long (`min_tokens`, a lower
+    bound from its length, PromptBuilder.min_tokens), before any time goes into tokenizing it."""
+    if min_tokens >= max_model_len:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_model_len} tokens. However, your messages "
+            f"hold {text_chars} characters of text, at least {min_tokens} tokens, which leaves no room "
+            "for a reply. Please reduce the length of the messages.",
+            param="messages",
+        )

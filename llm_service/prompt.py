@@ -15,6 +15,10 @@ from llm_service.chat_request import MediaInput, PromptMessage
 
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
+# Unicode normalisation (NFC, NFKC) may join a few characters into one before tokenizing (a
+# letter and its combining marks; Hangul jamo, 3 to 1): a token may stand for this many times its
+# own length in characters of the text as sent.
+NORMALIZATION_SLACK = 4
 
 
 class PromptBuilder:
@@ -26,13 +30,33 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.image_token_id: int = _token_id(tokenizer, IMAGE_PAD)
         self.video_token_id: int = _token_id(tokenizer, VIDEO_PAD)
+        # The most characters of text one token stands for: a vocabulary entry's length bounds it
+        # (byte-level BPE spells each byte as one character, and a character is at least a byte;
+        # SentencePiece spells characters as they are), times the normalisation slack.
+        self.max_chars_per_token = NORMALIZATION_SLACK * max(len(token) for token in tokenizer.get_vocab())
 
     def build(self, messages: list[PromptMessage]) -> list[int]:
-        """Renders with add_generation_prompt=True. Raises ValueError when the rendered pads are
-        not the messages' image and video parts, one each, in order."""
+        """Renders with add_generation_prompt=True and tokenizes; see render and tokenize."""
+        return self.tokenize(self.render(messages), messages)
+
+    def render(self, messages: list[PromptMessage]) -> str:
+        """The chat template's text (add_generation_prompt=True): cheap next to tokenizing it."""
         text = self.tokenizer.apply_chat_template(
             [_template_message(message) for message in messages], tokenize=False, add_generation_prompt=True
         )
+        if not isinstance(text, str):  # tokenize=False renders text; the type admits more
+            raise TypeError(f"chat template rendered {type(text).__name__}, not text")
+        return text
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens `text` becomes, from its length alone: a text far too long
+        for the context is refused without the tokenizer's time (~0.5 s per million characters)."""
+        return len(text) // self.max_chars_per_token
+
+    def tokenize(self, text: str, messages: list[PromptMessage]) -> list[int]:
+        """`text` (rendered from `messages`) as token ids. Raises ValueError when the rendered pads
+        are not the messages' image and video parts, one each, in order. Safe on a worker thread:
+        the tokenizer is only read, and it lets go of the GIL while it works."""
         ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         pad_of = {"image": self.image_token_id, "video": self.video_token_id}
         modalities = [part.modality for message in messages for part in message.parts if isinstance(part, MediaInput)]

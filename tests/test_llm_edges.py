@@ -4,6 +4,7 @@ and max_tokens is capped to the room the prompt leaves, as vLLM does (llm_servic
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any
 
 import httpx
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from llm_service.chat_request import PromptMessage
+from llm_service.prompt import IMAGE_PAD, VIDEO_PAD
 from shared.blob import EmbeddingBlob, encode_blob
 from shared.errors import InvalidEmbedding, InvalidInput
 from shared.keys import embedding_key
@@ -64,6 +66,34 @@ def _assert_too_long(response: httpx.Response, prompt_tokens: int | None) -> Non
 def test_text_longer_than_the_context_is_a_400_naming_both_counts(stack: Stack, model: str, stream: bool) -> None:
     text = "a " * (MAX_MODEL_LEN + 300)  # well past 2048: vLLM refused it with a 500 before
     _assert_too_long(_chat(stack, _body(model, text, stream)), _prompt_tokens(stack, model, text))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_text_surely_too_long_is_refused_untokenized_while_others_are_served(stack: Stack, model: str) -> None:
+    """~9 MB of text is refused from its length alone (PromptBuilder.min_tokens), with no tokenizing:
+    it took ~5 s of this loop, and 40 MB 30-45 s, during which no other request was served."""
+    huge = _body(model, "ab " * 3_000_000, max_tokens=2)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        refused = pool.submit(_chat, stack, huge)
+        small = pool.submit(_chat, stack, _body(model, "hi", max_tokens=2))
+        assert small.result().status_code == 200, small.result().text
+        response = refused.result()
+    _assert_too_long(response, None)
+    assert "characters of text, at least" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_length_bound_never_exceeds_the_tokens_a_text_becomes(stack: Stack, model: str) -> None:
+    """min_tokens is a lower bound, or a prompt that fits would be refused: texts made of the
+    vocabulary's longest entries, combining marks (joined by normalisation), CJK and emoji."""
+    builder = stack.llms[model].core.prompt_builder
+    vocab = builder.tokenizer.get_vocab()
+    longest = [token for token in sorted(vocab, key=len, reverse=True) if token not in (IMAGE_PAD, VIDEO_PAD)][:20]
+    texts = [builder.tokenizer.convert_tokens_to_string([token]) * 50 for token in longest]
+    texts += ["e\u0301" * 500, "\u1100\u1161\u11a8" * 500, "漢字かな" * 300, "🙂👍🏽" * 300, " " * 5000, "a" * 5000]
+    for text in texts:
+        rendered = builder.render([PromptMessage("user", [text])])
+        assert builder.min_tokens(rendered) <= len(builder.tokenize(rendered, [])), repr(text[:40])
 
 
 @pytest.mark.parametrize("model", MODELS)
