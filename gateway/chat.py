@@ -17,6 +17,7 @@ from gateway.settings import GatewaySettings
 from gateway.streams import merge_indexed
 from shared.blob import Modality
 from shared.errors import EmbeddingNotFound, InvalidInput, Unavailable
+from shared.sampling_limits import SAMPLING_BOUNDS
 from shared.sdk import (
     AsyncLLMClient,
     EncodedMedia,
@@ -207,6 +208,14 @@ async def _one_choice(
     metrics.STAGE_SECONDS.labels("relay").observe(relaying)
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """seed + index, wrapped into the seeds' range (0..2**63-1), so that every valid seed is valid
+    with every n: past the top, seed + index was out of the gRPC field's range, a 500."""
+    bound = SAMPLING_BOUNDS["seed"]
+    low, span = int(bound.low), int(bound.high - bound.low) + 1
+    return low + (seed + index - low) % span
+
+
 def generate(
     request: ChatCompletionRequest, chat: PreparedChat, backends: Backends, request_id: str
 ) -> AsyncGenerator[tuple[int, GenerationChunk], None]:
@@ -214,6 +223,8 @@ def generate(
     sampling = _sampling(request)
     streams = []
     for index in range(request.n):
-        seeded = dataclasses.replace(sampling, seed=sampling.seed + index) if sampling.seed is not None else sampling
+        seeded = (
+            sampling if sampling.seed is None else dataclasses.replace(sampling, seed=choice_seed(sampling.seed, index))
+        )
         streams.append(_one_choice(request, chat, backends, seeded, f"{request_id}-{index}"))
     return merge_indexed(streams)

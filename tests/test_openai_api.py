@@ -45,6 +45,15 @@ def test_n_choices_with_a_seed_are_indexed_and_reproducible(stack: Stack, openai
     assert first.usage.completion_tokens == 16
 
 
+def test_the_top_seed_with_n_choices_wraps_around_instead_of_failing(stack: Stack, openai_client: OpenAI) -> None:
+    """Choice i is seeded with seed + i, wrapped into 0..2**63-1: the top seed's second choice is
+    seed 0's first (it was a 500: seed + 1 did not fit the gRPC field)."""
+    kwargs = dict(model="ft-a", max_tokens=6, temperature=1.0, messages=[{"role": "user", "content": "Tell a story"}])
+    top = openai_client.chat.completions.create(**kwargs, seed=2**63 - 1, n=2)
+    zero = openai_client.chat.completions.create(**kwargs, seed=0)
+    assert top.choices[1].message.content == zero.choices[0].message.content
+
+
 def test_streaming_n_choices_each_end_with_a_finish_reason(stack: Stack, openai_client: OpenAI) -> None:
     stream = openai_client.chat.completions.create(
         model="ft-b", max_tokens=5, n=2, stream=True, stream_options={"include_usage": True},
