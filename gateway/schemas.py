@@ -28,6 +28,17 @@ class StrictRequest(BaseModel):
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """OpenAI's API reads null in an optional field as "not set" (`"n": null`, `"stream": null`,
+        as its own clients may send): where the field has a default, null is that default. A
+        required field's null stays, for the field to judge (`"image_url": null` names a key)."""
+        if not isinstance(data, dict) or not any(value is None for value in data.values()):
+            return data
+        defaulted = {name for name, field in cls.model_fields.items() if not field.is_required()}
+        return {key: value for key, value in data.items() if value is not None or key not in defaulted}
+
 
 class RequestBody(StrictRequest):
     """Base of every endpoint's body: before any field is read, no string or key in it may hold a
@@ -48,7 +59,7 @@ class RequestBody(StrictRequest):
 
 
 class TextPart(StrictRequest):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")  # e.g. cache_control, which vLLM ignores too
     type: Literal["text"]
     text: str = Field(description="Plain text.")
 
@@ -183,13 +194,22 @@ class ChatMessage(StrictRequest):
     role: Literal["system", "developer", "user", "assistant"] = Field(
         description="Who speaks; developer (OpenAI's newer name for system instructions) is taken as system."
     )
-    content: str | list[ContentPart] = Field(description="A string, or a list of content parts in order.")
+    content: str | list[ContentPart] = Field(
+        description="A string, or a list of content parts in order; an assistant's may be null (no text)."
+    )
 
     @field_validator("role")
     @classmethod
     def _developer_is_system(cls, role: str) -> str:
         # OpenAI: "developer messages replace the previous system messages". Chat templates know system.
         return "system" if role == "developer" else role
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _an_assistants_null_is_empty(cls, content: Any, info: ValidationInfo) -> Any:
+        # OpenAI and vLLM take an assistant turn with null content (one that made tool calls) as
+        # an empty one; anyone else's null stays a type error naming the field.
+        return "" if content is None and info.data.get("role") == "assistant" else content
 
 
 class StreamOptions(StrictRequest):

@@ -68,3 +68,23 @@ def test_a_lone_surrogate_is_refused_naming_where_it_is(raw: str, param: str) ->
 def test_a_surrogate_pair_is_one_character_and_accepted() -> None:
     body = json.loads('{"model": "m", "messages": [{"role": "user", "content": "\\ud83d\\ude00 h\\u00e9"}]}')
     assert ChatCompletionRequest.model_validate(body).messages[0].content == "\U0001f600 h\u00e9"
+
+
+def test_null_in_a_field_with_a_default_is_that_default() -> None:
+    """OpenAI's API reads null as "not set": n, stream and logprobs have defaults other than null."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    request = ChatCompletionRequest.model_validate({**body, "n": None, "stream": None, "logprobs": None})
+    assert (request.n, request.stream, request.logprobs) == (1, False, False)
+    with pytest.raises(ValidationError, match="model"):  # a required field's null is still refused
+        ChatCompletionRequest.model_validate({**body, "model": None})
+
+
+def test_an_assistants_null_content_is_empty_and_anyone_elses_is_refused() -> None:
+    assert _request({"role": "assistant", "content": None}).messages[0].content == ""
+    with pytest.raises(ValidationError, match="content"):
+        _request({"role": "user", "content": None})
+
+
+def test_a_text_part_takes_fields_it_does_not_know_as_vllm_does() -> None:
+    part = {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}
+    assert _request({"role": "user", "content": [part]}).messages[0].content[0].text == "hi"

@@ -54,6 +54,20 @@ def test_the_top_seed_with_n_choices_wraps_around_instead_of_failing(stack: Stac
     assert top.choices[1].message.content == zero.choices[0].message.content
 
 
+def test_nulls_where_openai_allows_them_are_answered(stack: Stack) -> None:
+    """null for an optional field is its default, and an assistant turn may have null content
+    (both were 400s): raw JSON, since the openai client leaves unset fields out."""
+    body = {"model": "ft-a", "max_tokens": 2, "n": None, "stream": None, "logprobs": None, "temperature": None,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]},
+                         {"role": "assistant", "content": None}, {"role": "user", "content": "again"}]}  # fmt: skip
+    response = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 1
+    body["messages"] = [{"role": "user", "content": None}]
+    refused = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert refused.status_code == 400 and "content" in refused.json()["error"]["param"], refused.text
+
+
 def test_streaming_n_choices_each_end_with_a_finish_reason(stack: Stack, openai_client: OpenAI) -> None:
     stream = openai_client.chat.completions.create(
         model="ft-b", max_tokens=5, n=2, stream=True, stream_options={"include_usage": True},
