@@ -24,7 +24,7 @@ from encoder_service.video import preprocess_video
 from encoder_service.vision import Preprocessed, VisionEncoder
 from shared import tracing
 from shared.blob import BlobRules, EmbeddingBlob, Modality, decode_blob, encode_blob
-from shared.errors import EmbeddingNotFound, IncompatibleEncoder, InvalidEmbedding, InvalidInput, TooLarge, clip
+from shared.errors import EmbeddingNotFound, IncompatibleEncoder, InvalidInput, ServiceError, TooLarge, clip
 from shared.keys import embedding_key, parse_key, video_key
 from shared.progress_watch import ProgressWatch
 from shared.store import EmbeddingStore
@@ -169,13 +169,10 @@ class EncoderCore:
         self, key: str, modality: Modality, preprocess: Callable[[], Preprocessed]
     ) -> EncodeResult:
         stored = await self.store.get_and_touch(key)
-        if stored is not None:
-            try:
-                blob = decode_blob(stored, self.rules, where=key)
-                self.counters.cache_hits += 1
-                return self._result(key, blob, cache_hit=True)
-            except InvalidEmbedding:
-                logger.warning("stored blob %s breaks the contract; re-encoding", key)
+        reused = None if stored is None else self._reusable(key, stored, modality)
+        if reused is not None:
+            self.counters.cache_hits += 1
+            return self._result(key, reused, cache_hit=True)
         started = time.perf_counter()
         # Announced before preparing: a burst of calls, each decoding its own image first, then
         # shares one forward pass instead of the first image going alone.
@@ -190,6 +187,24 @@ class EncoderCore:
         metrics.ENCODE_SECONDS.observe(elapsed)
         logger.info("encoded %s: %d tokens, %d bytes, %.3fs", key, blob.num_tokens, len(data), elapsed)
         return self._result(key, blob, cache_hit=False)
+
+    def _reusable(self, key: str, stored: bytes, modality: Modality) -> EmbeddingBlob | None:
+        """The stored blob, if it is exactly what this encoder would write under `key`; else None,
+        and the caller re-encodes and overwrites it. So any bad value heals on the next encode of
+        its image: one that breaks the contract, and one that keeps it but is not ours to serve
+        here (a video under an image's key, another encoder's blob, another dtype than the key's)."""
+        try:
+            blob = decode_blob(stored, self.rules, where=key)
+        except ServiceError as error:  # InvalidEmbedding, IncompatibleEncoder
+            problem = error.message
+        else:
+            wanted = (modality, blob_dtype(self.vision.dtype), self.encoder_id)
+            found = (blob.modality, blob.dtype, blob.encoder_id)
+            if found == wanted:
+                return blob
+            problem = f"it holds (modality, dtype, encoder_id) {found}, this encoder writes {wanted}"
+        logger.warning("stored blob %s is not what this encoder writes (%s); re-encoding", key, problem)
+        return None
 
     def _blob(self, embeds: torch.Tensor, grid_thw: torch.Tensor, modality: Modality) -> tuple[EmbeddingBlob, bytes]:
         """The tower's output as a validated blob, and its bytes."""

@@ -304,4 +304,10 @@ def decode_blob(data: bytes, rules: BlobRules, where: str = "embedding") -> Embe
     _, grid_array = layout_view(data, start, grid)
     blob = EmbeddingBlob(embeds_array, grid_array, metadata.get("encoder_id", ""), modality, dtype)
     validate_blob(blob, rules, where)
+    # The metadata says which dtype the array holds (serialize_unvalidated writes the tensor's own);
+    # a blob whose two disagree was not written by our codec. Blobs without the entry (clients'
+    # hand-made safetensors) are taken at the tensor's word.
+    stated = metadata.get("dtype", dtype)
+    if stated != dtype:
+        raise InvalidEmbedding(f"{where} metadata says dtype {clip(stated)}, but its tensor holds {dtype}", param=where)
     return blob

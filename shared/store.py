@@ -23,7 +23,7 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import tracing
@@ -82,14 +82,14 @@ class EmbeddingStore:
         if not keys:
             return []
         if len(keys) == 1:  # the common case (one image): GET saves MGET's list handling (~0.01 ms)
-            return [await self._call("GET", _bytes_or_none(self._redis.get(keys[0])), keys)]
+            return [await self._call("GET", _blob_or_none(self._redis.get(keys[0]), keys[0]), keys)]
         if isinstance(self._redis, RedisCluster):  # one MGET per hash slot, as a cluster requires
             return await self._call("MGET", _list_of_bytes(self._redis.mget_nonatomic(keys)), keys)
         return await self._call("MGET", _list_of_bytes(self._redis.mget(keys)), keys)
 
     async def get_and_touch(self, key: str) -> bytes | None:
         """The blob under `key`, refreshing its TTL (GETEX), or None."""
-        return await self._call("GETEX", _bytes_or_none(self._redis.getex(key, ex=self.config.ttl_s)), [key])
+        return await self._call("GETEX", _blob_or_none(self._redis.getex(key, ex=self.config.ttl_s), key), [key])
 
     async def put(self, key: str, data: bytes) -> None:
         """Stores a blob with the configured TTL."""
@@ -113,14 +113,25 @@ class EmbeddingStore:
         await self._redis.aclose()
 
 
-def _bytes_or_none(reply: Awaitable[Any]) -> Awaitable[bytes | None]:
-    """A GET-like reply as it arrives: bytes, since no client here decodes responses (redis-py
-    types replies as bytes | str whatever the client's decode_responses)."""
-    return cast("Awaitable[bytes | None]", reply)
+async def _blob_or_none(reply: Awaitable[Any], key: str) -> bytes | None:
+    """A single-key read's (GET, GETEX) reply: bytes, since no client here decodes responses
+    (redis-py types replies as bytes | str whatever the client's decode_responses), or None.
+
+    A key holding a list, a hash or any other non-string holds no blob: None, as MGET answers nil
+    for it, rather than the WRONGTYPE error, which would read as a store outage (503) on every
+    request for that image, forever. The encoder's SET then replaces the value; an LLM service
+    answers 404. Every other error reply is still the store failing (see EmbeddingStore._call)."""
+    try:
+        return cast("bytes | None", await reply)
+    except ResponseError as error:
+        if not str(error).startswith("WRONGTYPE"):
+            raise
+        logger.warning("Redis key %s holds a value that is not a string; read as no blob", key)
+        return None
 
 
 def _list_of_bytes(reply: Awaitable[Any]) -> Awaitable[list[bytes | None]]:
-    """An MGET reply; see _bytes_or_none."""
+    """An MGET reply; see _blob_or_none."""
     return cast("Awaitable[list[bytes | None]]", reply)
 
 
