@@ -5,6 +5,7 @@ from __future__ import annotations
 import uvicorn
 
 from gateway.app import create_app
+from gateway.http_protocol import uvicorn_config
 from gateway.settings import GatewaySettings
 from shared.gc_heap import freeze_startup_heap
 from shared.logging_setup import configure_logging
@@ -20,21 +21,20 @@ def main() -> None:
     # about to reuse (a ReadError on its next request); see GATEWAY_KEEP_ALIVE_S.
     app = create_app(settings)
     freeze_startup_heap()  # the app and every module it needs exist now, for the life of the process
-    uvicorn.run(
+    config = uvicorn_config(
         app,
+        settings,
         host=settings.host,
         port=settings.port,
         log_config=None,
         # The summary line (gateway.requests) is the access log: uvicorn's own would add a second,
         # thinner line per request and one per probe, which the summary leaves out on purpose.
         access_log=False,
-        # Named, not "auto": without them uvicorn falls back, silently, to asyncio and h11, which
-        # spend several times the CPU per request and per streamed chunk (both are dependencies).
+        # Named, not "auto": without it uvicorn falls back, silently, to asyncio, which spends
+        # several times the CPU per request and per streamed chunk (it is a dependency).
         loop="uvloop",
-        http="httptools",
-        # uvicorn's hint says int, but it only schedules a timer with it: a float keeps fractions.
-        timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]
     )
+    uvicorn.Server(config).run()
     if tracer_provider is not None:
         tracer_provider.shutdown()  # exports the spans still queued
 

@@ -64,7 +64,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         yield
         await app.state.backends.close()
 
-    app = FastAPI(title="VLM encode-once gateway", version="0.1.0", lifespan=lifespan)
+    # redirect_slashes off: Starlette would answer "/v1/chat/completions/" with a 307 to a URL it
+    # builds from the client's Host header (and always http). A wrong path is a 404 like any other.
+    app = FastAPI(title="VLM encode-once gateway", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
+    app.state.settings = settings  # the server around the app is configured from them too (gateway.http_protocol)
     install_error_handlers(app)
     # Added last, so it wraps every other middleware (see gateway.exchange).
     app.add_middleware(

@@ -39,6 +39,15 @@ class GatewaySettings(BaseSettings):
         75.0, gt=0, description="HTTP keep-alive; longer than load balancers' idle timeouts, so they close first."
     )
     max_body_bytes: int = Field(48 * 1024 * 1024, gt=0, description="Largest request body accepted.")
+    max_header_bytes: int = Field(
+        64 * 1024, gt=0, description="Largest request line plus headers of one request; past it 431, connection closed."
+    )
+    request_read_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds a request begun (head or body unfinished) may go without a byte arriving; then 408, "
+        "connection closed.",
+    )
     grpc_max_message_bytes: int = Field(
         DEFAULT_GRPC_MAX_MESSAGE_BYTES, gt=0, description="Largest gRPC message to backends."
     )

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from encoder_service.server import EncoderServer, start_encoder_server
 from encoder_service.settings import EncoderSettings
 from gateway.app import create_app
+from gateway.http_protocol import uvicorn_config
 from gateway.settings import GatewaySettings
 from llm_service.server import LLMServer, start_llm_server
 from llm_service.settings import LLMSettings
@@ -71,7 +72,8 @@ async def start_gateway(app: FastAPI) -> tuple[uvicorn.Server, int]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    # Served as `python -m gateway` serves it: its HTTP protocol, with the limits in its settings.
+    server = uvicorn.Server(uvicorn_config(app, app.state.settings, log_level="warning", lifespan="on"))
     asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
     while not server.started:
         await asyncio.sleep(0.02)
