@@ -36,8 +36,9 @@ MAX_EVENTS_BYTES = 1 << 20
 _END_OF_EVENTS = None
 
 
-class MalformedBatch(ValueError):
-    """A batch message that also carries an action of its own, or a batch within its batch."""
+class ProtocolViolation(ValueError):
+    """A message the stream cannot take: a batch that also carries an action of its own, a batch
+    within its batch, or a start for a call_id that is open (its events could not be told apart)."""
 
 
 def _actions(message: llm_pb2.MultiplexedCall) -> Sequence[llm_pb2.MultiplexedCall]:
@@ -45,9 +46,9 @@ def _actions(message: llm_pb2.MultiplexedCall) -> Sequence[llm_pb2.MultiplexedCa
     if not message.batch:
         return (message,)
     if message.call_id or message.WhichOneof("action") or message.metadata:
-        raise MalformedBatch("a GenerateMany message with a batch must carry nothing else (its actions are in `batch`)")
+        raise ProtocolViolation("a GenerateMany message with a batch must carry nothing else (its actions are in `batch`)")
     if any(action.batch for action in message.batch):
-        raise MalformedBatch("a GenerateMany batch must not hold another batch")
+        raise ProtocolViolation("a GenerateMany batch must not hold another batch")
     return message.batch
 
 
@@ -91,16 +92,16 @@ class MultiplexedStream:
                         self._calls[call.call_id].cancel()
         except DecodeError as error:  # the calls open go on; the stream then ends INVALID_ARGUMENT
             self.refusal = f"a message on the GenerateMany stream does not parse: {error}"
-        except MalformedBatch as error:
+        except ProtocolViolation as error:
             self.refusal = str(error)
         finally:
             self._reading = False
             self._end_if_idle()
 
     def _start(self, call: llm_pb2.MultiplexedCall) -> None:
-        if call.call_id in self._calls:
-            self._put_end(call.call_id, _status(grpc.StatusCode.INVALID_ARGUMENT, "call_id is already open"))
-        elif not self._subcalls.open:  # draining: refused as a new Generate call would be, and
+        if call.call_id in self._calls:  # an END under its id would read as the open call's end
+            raise ProtocolViolation(f"GenerateMany call_id {call.call_id} was started while it is open")
+        if not self._subcalls.open:  # draining: refused as a new Generate call would be, and
             # marked as never begun, so that the client makes it on a stream to another server
             refusal = _status(grpc.StatusCode.UNAVAILABLE, "the service is shutting down")
             refusal.not_started = True

@@ -367,6 +367,32 @@ def test_a_stream_message_it_cannot_take_ends_the_stream_invalid_argument(messag
     assert code == grpc.StatusCode.INVALID_ARGUMENT and complaint in details
 
 
+def test_a_start_for_a_call_id_that_is_open_ends_the_stream_not_the_open_call() -> None:
+    """The open call keeps its one end (OK), and the stream then ends INVALID_ARGUMENT: an END under
+    the id for the second start read as the open call's end, which then ended a second time."""
+    start = llm_pb2.MultiplexedCall(call_id=5, start=llm_pb2.GenerateRequest(request_id="first"))
+    twice = llm_pb2.MultiplexedCall(batch=[start, start]).SerializeToString()
+
+    async def run() -> tuple[list[llm_pb2.MultiplexedEvent], grpc.StatusCode, str]:
+        running, servicer = await _serve(HeldLLM)
+        events = []
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            raw = channel.stream_stream("/llm.v1.LLMService/GenerateMany", lambda b: b, lambda b: b)
+            call = raw(iter([twice]))
+            servicer.release.set()
+            with pytest.raises(grpc.RpcError):
+                async for message in call:
+                    events += llm_pb2.MultiplexedEvents.FromString(message).events
+            status = await call.code(), await call.details()
+        await running.stop(0)
+        return events, *status
+
+    events, code, details = asyncio.run(run())
+    assert [(event.call_id, event.end.code) for event in events if event.HasField("end")] == [(5, 0)]
+    assert [event.chunk.text for event in events if event.HasField("chunk")] == ["first"]
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "call_id 5 was started while it is open" in details
+
+
 def test_a_batch_is_no_bigger_than_a_message_the_client_would_send() -> None:
     """A client whose message limit is small (its service's too, as they are set alike) batches
     within it, so a burst does not become one message the service refuses, failing every call."""
