@@ -17,7 +17,7 @@ from encoder_service import metrics
 from encoder_service.batcher import LanedBatcher, MicroBatcher
 from encoder_service.blob_arrays import blob_dtype, blob_from_tensors
 from encoder_service.fetch import FetchPolicy, fetch_image
-from encoder_service.images import decode_data_url, load_image
+from encoder_service.images import decode_data_url, is_data_url, load_image
 from encoder_service.metrics import EncoderCounters
 from encoder_service.resize import PixelPolicy
 from encoder_service.video import preprocess_video
@@ -161,7 +161,7 @@ class EncoderCore:
         return data
 
     async def _url_bytes(self, url: str, param: str) -> bytes:
-        if url.startswith("data:"):
+        if is_data_url(url):
             return decode_data_url(url, self.limits.max_image_bytes, param)
         return await fetch_image(url, self.limits.fetch, param)
 

@@ -19,17 +19,26 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from shared.errors import InvalidInput, ServiceError, TooLarge, clip
 
+_BASE64_SPACES = ("\n", "\r", " ", "\t")
 _DATA_URL = re.compile(r"^data:(?P<mime>image/[A-Za-z0-9.+-]+)?(?P<params>(;[^,;]*)*?);base64,", re.I)
 
 
+def is_data_url(url: str) -> bool:
+    """Whether `url` is a data URL: its scheme, as every URL scheme, in any case (RFC 3986)."""
+    return url[:5].lower() == "data:"
+
+
 def decode_data_url(url: str, max_bytes: int, param: str = "image_url") -> bytes:
-    """The bytes of a `data:image/...;base64,...` URL."""
+    """The bytes of a `data:image/...;base64,...` URL (any case, RFC 2397). The base64 may be
+    broken into lines (RFC 2045 writes 76 characters a line): whitespace is dropped, nothing else."""
     match = _DATA_URL.match(url)
     if match is None:
         raise InvalidInput(
             f"data URL must look like data:image/<type>;base64,<data> (got {clip(url, 40)!r})", param=param
         )
     payload = url[match.end() :]
+    if any(space in payload for space in _BASE64_SPACES):
+        payload = "".join(payload.split())
     if len(payload) > (max_bytes * 4) // 3 + 4:
         raise TooLarge(f"image in data URL exceeds {max_bytes} bytes", param=param)
     try:

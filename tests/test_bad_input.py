@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import resource
 import struct
@@ -176,6 +177,20 @@ def test_bad_images_are_400_and_memory_stays_bounded(stack: Stack, image: bytes,
 
 def test_bad_data_url_is_400(stack: Stack) -> None:
     _assert_error(_chat(stack, _image_chat("ft-a", _url_part("data:image/png;base64,@@@@"))), 400, "image_url")
+
+
+def test_a_data_url_in_capitals_or_in_lines_of_base64_is_the_same_image(stack: Stack) -> None:
+    """RFC 2397: the scheme and type may be in any case; RFC 2045 breaks base64 into lines. Both
+    were 400s; both are the image the plain form is, so they get its key."""
+    image = png_bytes(93)
+    payload = base64.b64encode(image).decode()
+    lines = "\r\n".join(payload[i : i + 76] for i in range(0, len(payload), 76))
+    keys = []
+    for url in (data_url(image), "DATA:IMAGE/PNG;BASE64," + payload, "data:image/png;base64," + lines):
+        response = httpx.post(f"{stack.base_url}/v1/images/encode", json={"image_url": url}, timeout=120)
+        assert response.status_code == 200, response.text
+        keys.append(response.json()["key"])
+    assert len(set(keys)) == 1
 
 
 def test_unknown_key_is_404_at_gateway_and_llm_service(stack: Stack) -> None:
