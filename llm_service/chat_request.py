@@ -82,7 +82,9 @@ def _message_from_pb(message: llm_pb2.ChatMessage, index: int) -> PromptMessage:
 
 
 def _sampling_from_pb(sampling: llm_pb2.SamplingParams, limits: SamplingLimits) -> SamplingParams:
-    """Unset knobs take OpenAI's defaults; every bound is shared/sampling_limits.py's, except
+    """Unset knobs take OpenAI's defaults, except temperature, which is 0 (greedy): what vLLM
+    gives Qwen2-VL-Instruct and its fine-tunes, whose generation_config (top_k 1) it applies by
+    default; OpenAI's 1 would sample. Every bound is shared/sampling_limits.py's, except
     max_tokens, whose limit is this service's own."""
     max_tokens = sampling.max_tokens or limits.default_max_tokens
     if not 0 < max_tokens <= limits.max_tokens_limit:
