@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from gateway.schemas import ChatCompletionRequest, ImageUrlPart, MediaEmbedsPart
 from gateway.settings import GatewaySettings
 from gateway.streams import merge_indexed
 from shared.blob import Modality
-from shared.errors import EmbeddingNotFound, InvalidInput, Unavailable
+from shared.errors import EmbeddingNotFound, InvalidInput, ServiceError, Unavailable
 from shared.sampling_limits import SAMPLING_BOUNDS
 from shared.sdk import (
     AsyncLLMClient,
@@ -71,19 +72,36 @@ def _stored(modality: Modality, key: str) -> ImageKey | VideoKey:
     return ImageKey(key) if modality == "image" else VideoKey(key)
 
 
-async def _encode(backends: Backends, source: Source, request_id: str) -> EncodedMedia:
+async def _encode(backends: Backends, source: Source, request_id: str, part_param: str | None = None) -> EncodedMedia:
+    try:
+        if isinstance(source, str):
+            return await backends.encoder.encode(image_url=source, request_id=request_id)
+        return await backends.encoder.encode_video(list(source), request_id=request_id)
+    except ServiceError as error:
+        if part_param is not None and error.kind.http_status < 500:  # the client's: name its field
+            error.param = _request_param(part_param, source, error.param)
+        raise
+
+
+def _request_param(part_param: str, source: Source, encoder_param: str | None) -> str:
+    """The request's field that an encoder's complaint is about. The encoder names its own fields
+    (image_url, image, frames[1]), which a chat request does not have."""
     if isinstance(source, str):
-        return await backends.encoder.encode(image_url=source, request_id=request_id)
-    return await backends.encoder.encode_video(list(source), request_id=request_id)
+        return f"{part_param}.image_url.url"
+    frame = re.fullmatch(r"frames\[(\d+)\]", encoder_param or "")
+    return f"{part_param}.video[{frame.group(1)}]" if frame else f"{part_param}.video"
 
 
 async def _encode_sources(request: ChatCompletionRequest, backends: Backends, request_id: str) -> dict[Source, str]:
-    """Source -> key, each distinct image URL or frame list encoded once, concurrently."""
-    parts = _media_parts(request)
-    named = (p.source for p in parts if isinstance(p, ImageUrlPart | VideoPart))
-    sources = list(dict.fromkeys(source for source in named if source is not None))
-    encoded = await asyncio.gather(*(_encode(backends, source, request_id) for source in sources))
-    return {source: result.key for source, result in zip(sources, encoded, strict=True)}
+    """Source -> key, each distinct image URL or frame list encoded once, concurrently; an error
+    names the first part that holds the source (messages[i].content[j])."""
+    param_of: dict[Source, str] = {}
+    for i, message in enumerate(request.messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+            if isinstance(part, ImageUrlPart | VideoPart) and part.source is not None:
+                param_of.setdefault(part.source, f"messages[{i}].content[{j}]")
+    encoded = await asyncio.gather(*(_encode(backends, source, request_id, at) for source, at in param_of.items()))
+    return {source: result.key for source, result in zip(param_of, encoded, strict=True)}
 
 
 async def _inline(

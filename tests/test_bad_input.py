@@ -176,7 +176,17 @@ def test_bad_images_are_400_and_memory_stays_bounded(stack: Stack, image: bytes,
 
 
 def test_bad_data_url_is_400(stack: Stack) -> None:
-    _assert_error(_chat(stack, _image_chat("ft-a", _url_part("data:image/png;base64,@@@@"))), 400, "image_url")
+    """The error names the request's field by its path, not the encoder's (image_url)."""
+    bad = _url_part("data:image/png;base64,@@@@")
+    _assert_error(_chat(stack, _image_chat("ft-a", bad)), 400, "messages[0].content[0].image_url.url")
+    body = _image_chat("ft-a", _url_part(data_url(png_bytes(94))))
+    body["messages"][0]["content"] += [
+        bad,
+        {"type": "video", "video": [data_url(png_bytes(94)), "data:image/png;base64,"]},
+    ]
+    _assert_error(_chat(stack, body), 400, "messages[0].content[2].image_url.url")
+    body["messages"][0]["content"].pop(2)
+    _assert_error(_chat(stack, body), 400, "messages[0].content[2].video[1]")
 
 
 def test_a_data_url_in_capitals_or_in_lines_of_base64_is_the_same_image(stack: Stack) -> None:
