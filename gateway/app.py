@@ -75,6 +75,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         api_keys=ApiKeys(settings.api_keys),
         max_body_bytes=settings.max_body_bytes,
         open_paths=OPEN_PATHS,
+        routes=app.router.routes,
     )
     admission = app.state.admission = Admission(settings.max_concurrent_requests)
 

@@ -23,9 +23,10 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from starlette.requests import ClientDisconnect, Request
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import metrics, summary
@@ -81,8 +82,17 @@ class _Response:
 
 
 class ExchangeMiddleware:
-    def __init__(self, app: ASGIApp, *, api_keys: ApiKeys, max_body_bytes: int, open_paths: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        api_keys: ApiKeys,
+        max_body_bytes: int,
+        open_paths: tuple[str, ...],
+        routes: Sequence[BaseRoute] = (),
+    ) -> None:
         self.app = app
+        self._routes = routes  # the app's, to name a request answered before its route ran
         self._api_keys = api_keys
         self._max_body_bytes = max_body_bytes
         self._open_paths = open_paths
@@ -119,7 +129,7 @@ class ExchangeMiddleware:
                 await response.answer(Internal("internal error; see the gateway log"), scope, receive)
             finally:
                 await _run_cleanups(getattr(request.state, _CLEANUPS))
-                route = getattr(scope.get("route"), "path", "unmatched")
+                route = self._route_of(scope)
                 status = response.status or CLIENT_GONE
                 metrics.HTTP_SECONDS.labels(route).observe((response.head_at or time.perf_counter()) - started)
                 metrics.HTTP_REQUESTS.labels(route, str(status)).inc()
@@ -128,6 +138,15 @@ class ExchangeMiddleware:
                     attributes = {tracing.MODEL: noted.model or "", tracing.MEDIA_KEYS: noted.keys}
                     tracing.end_http_span(span, scope["method"], route, status, attributes)
                 request_id_var.reset(request_id_token)
+
+    def _route_of(self, scope: Scope) -> str:
+        """The path template a request is counted and logged under. The router sets the route it
+        ran; a request answered before routing (a 401, a 413 by Content-Length) is matched here,
+        or its count would go under "unmatched" with the unknown paths'."""
+        route = scope.get("route")
+        if route is None:
+            route = next((r for r in self._routes if r.matches(scope)[0] == Match.FULL), None)
+        return str(getattr(route, "path", "unmatched"))
 
     def _admit(self, request: Request) -> None:
         if not request.url.path.startswith(self._open_paths):

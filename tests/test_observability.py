@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import socket
 
 import httpx
 from openai import OpenAI
@@ -49,6 +50,28 @@ def test_metrics_count_requests_encodes_and_rpcs(stack: Stack, openai_client: Op
     assert metric_sum(after, "gateway_completion_tokens_total", model="ft-a") >= 3
     assert metric_sum(after, "gateway_time_per_output_token_seconds_count", model="ft-a") == (
         metric_sum(before, "gateway_time_per_output_token_seconds_count", model="ft-a") + 1
+    )
+
+
+def test_a_request_answered_before_routing_is_counted_under_its_route(stack: Stack, strict_gateway: str) -> None:
+    """A 413 by Content-Length and a 401 are answered before the router runs; they went under
+    "unmatched", the label of unknown paths."""
+    too_long = {"route": "/v1/chat/completions", "status": "413"}
+    before = httpx.get(f"{stack.base_url}/metrics").text
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    with socket.create_connection(("127.0.0.1", stack.gateway_port), timeout=30) as conn:
+        conn.sendall(head + b"Content-Length: 999999999\r\n\r\n")
+        assert conn.recv(4096).startswith(b"HTTP/1.1 413")
+    after = httpx.get(f"{stack.base_url}/metrics").text
+    assert metric_sum(after, "gateway_http_requests_total", **too_long) == (
+        metric_sum(before, "gateway_http_requests_total", **too_long) + 1
+    )
+    refused = {"route": "/v1/models", "status": "401"}
+    before = httpx.get(f"{strict_gateway}/metrics").text
+    assert httpx.get(f"{strict_gateway}/v1/models").status_code == 401
+    after = httpx.get(f"{strict_gateway}/metrics").text
+    assert metric_sum(after, "gateway_http_requests_total", **refused) == (
+        metric_sum(before, "gateway_http_requests_total", **refused) + 1
     )
 
 
