@@ -46,7 +46,9 @@ def _actions(message: llm_pb2.MultiplexedCall) -> Sequence[llm_pb2.MultiplexedCa
     if not message.batch:
         return (message,)
     if message.call_id or message.WhichOneof("action") or message.metadata:
-        raise ProtocolViolation("a GenerateMany message with a batch must carry nothing else (its actions are in `batch`)")
+        raise ProtocolViolation(
+            "a GenerateMany message with a batch must carry nothing else (its actions are in `batch`)"
+        )
     if any(action.batch for action in message.batch):
         raise ProtocolViolation("a GenerateMany batch must not hold another batch")
     return message.batch
