@@ -26,7 +26,8 @@ class ApiKeys:
 
 
 class Admission:
-    """Counts chat completions in flight; over the limit a new one gets 429 + Retry-After."""
+    """Counts chat completions and encodes in flight, together (an encode runs the vision tower,
+    the costliest work behind the gateway); over the limit a new one gets 429 + Retry-After."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit

@@ -119,6 +119,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.post("/v1/images/encode")
     async def encode_image(body: EncodeImageRequest, request: Request) -> EncodeMediaResponse:
         """Encodes an image once (or finds it stored) and returns the key to reference it by."""
+        on_exchange_end(request, admission.enter())  # a tower forward pass: the costliest work we do
         encoder = request.app.state.backends.encoder
         result = await encoder.encode(
             image_url=body.image_url,
@@ -131,6 +132,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.post("/v1/videos/encode")
     async def encode_video(body: EncodeVideoRequest, request: Request) -> EncodeMediaResponse:
         """Encodes a video (its frames, in order) once and returns the key for a video_embeds part."""
+        on_exchange_end(request, admission.enter())
         encoder = request.app.state.backends.encoder
         result = await encoder.encode_video(
             body.frames, min_pixels=body.min_pixels, max_pixels=body.max_pixels, request_id=request.state.request_id

@@ -58,7 +58,9 @@ class GatewaySettings(BaseSettings):
     allow_inline_embeds: bool = Field(
         False, description="Accept inline image_embeds tensors (stored keys are always accepted)."
     )
-    max_concurrent_requests: int = Field(256, gt=0, description="Chat completions in flight before new ones get 429.")
+    max_concurrent_requests: int = Field(
+        256, gt=0, description="Chat completions and encodes in flight before new ones get 429."
+    )
     generate_streams: int = Field(
         8,
         ge=0,

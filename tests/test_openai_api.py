@@ -217,7 +217,15 @@ def test_pickle_payloads_are_refused_naming_the_safe_formats(strict_gateway: str
     assert disabled.status_code == 400 and "disabled" in disabled.json()["error"]["message"]
 
 
-def test_over_the_concurrency_limit_is_429_with_retry_after(strict_gateway_app: FastAPI) -> None:
+@pytest.mark.parametrize(
+    ("first_path", "second_path"),
+    [("/v1/chat/completions", "/v1/chat/completions"), ("/v1/chat/completions", "/v1/images/encode"),
+     ("/v1/images/encode", "/v1/chat/completions")],
+)  # fmt: skip
+def test_over_the_concurrency_limit_is_429_with_retry_after(
+    strict_gateway_app: FastAPI, first_path: str, second_path: str
+) -> None:
+    """Chats and encodes share the limit: an encode, which runs the vision tower, took no slot."""
     encoder = strict_gateway_app.state.backends.encoder
     original_encode, release = encoder.encode, threading.Event()
 
@@ -225,15 +233,19 @@ def test_over_the_concurrency_limit_is_429_with_retry_after(strict_gateway_app: 
         await asyncio.to_thread(release.wait, 60)
         return await original_encode(**kwargs)
 
-    url, headers = f"{strict_gateway_app.state.base_url}/v1/chat/completions", {"authorization": "Bearer test-key-1"}
-    body = {"model": "ft-a", "max_tokens": 2, "messages": [_image_message(data_url(png_bytes(306)), "hi")]}
+    base, headers = strict_gateway_app.state.base_url, {"authorization": "Bearer test-key-1"}
+    url = data_url(png_bytes(306))
+    bodies = {
+        "/v1/chat/completions": {"model": "ft-a", "max_tokens": 2, "messages": [_image_message(url, "hi")]},
+        "/v1/images/encode": {"image_url": url},
+    }
     encoder.encode = held_encode
     try:
         with ThreadPoolExecutor(1) as pool:
-            first = pool.submit(httpx.post, url, json=body, headers=headers, timeout=120)
+            first = pool.submit(httpx.post, base + first_path, json=bodies[first_path], headers=headers, timeout=120)
             while strict_gateway_app.state.admission.in_flight == 0:
                 time.sleep(0.01)
-            second = httpx.post(url, json=body, headers=headers, timeout=60)
+            second = httpx.post(base + second_path, json=bodies[second_path], headers=headers, timeout=60)
             release.set()
             assert first.result().status_code == 200
     finally:
