@@ -43,8 +43,9 @@ class PixelPolicy:
 
     def bounds(self, min_pixels: int, max_pixels: int) -> tuple[int, int]:
         """The effective (min_pixels, max_pixels) of a request; 0 asks for the default."""
-        if min_pixels < 0 or max_pixels < 0:
-            raise InvalidInput("min_pixels and max_pixels must not be negative", param="min_pixels")
+        for name, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
+            if value < 0:
+                raise InvalidInput(f"{name} must not be negative (got {value}; 0 asks for the default)", param=name)
         for name, value in (("max_pixels", max_pixels), ("min_pixels", min_pixels)):
             if value > self.limit:
                 raise InvalidInput(f"{name} {value} exceeds this server's limit of {self.limit}", param=name)

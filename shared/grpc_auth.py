@@ -20,7 +20,7 @@ async def _refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
 
     async def intercept_service(
         self,
@@ -31,7 +31,9 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             return await continuation(handler_call_details)
         presented = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
         presented_bytes = presented if isinstance(presented, bytes) else presented.encode()
-        if hmac.compare_digest(presented_bytes, self._expected):
+        # The scheme in any case, as HTTP reads it (RFC 9110); the token exactly, in constant time.
+        scheme, _, token = presented_bytes.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token, self._expected):
             return await continuation(handler_call_details)
         return grpc.unary_unary_rpc_method_handler(_refuse)
 

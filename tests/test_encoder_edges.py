@@ -64,6 +64,15 @@ def test_aspect_ratio_over_200_is_invalid_input_naming_ratio_and_limit(encoder: 
     assert image_error.value.param == "image" and frame_error.value.param == "frames[0]"
 
 
+def test_a_negative_pixel_bound_is_invalid_input_naming_that_bound(encoder: EncoderServer) -> None:
+    """max_pixels=-5 was refused naming min_pixels."""
+    with EncoderClient(_target(encoder)) as client:
+        for field in ("min_pixels", "max_pixels"):
+            with pytest.raises(InvalidInput, match="must not be negative") as caught:
+                client.encode(image_bytes=png_bytes(1), **{field: -5})
+            assert caught.value.param == field
+
+
 # --- 2. GetEmbedding reads embeddings of this encoder, nothing else ---------------------------
 
 

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llm_service.server import LLMServer, start_llm_server
 from llm_service.settings import LLMSettings
 from shared.errors import Unauthenticated, Unavailable
+from shared.pb.llm.v1 import llm_pb2, llm_pb2_grpc
 from shared.sdk import ChannelConfig, LLMClient, Message, Sampling
 from tests.harness import BackgroundLoop, Stack
 
@@ -49,6 +50,22 @@ def test_calls_without_the_token_are_refused_but_health_is_open(token_server: LL
     with grpc.insecure_channel(target) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_the_bearer_scheme_is_read_in_any_case_and_the_token_exactly(token_server: LLMServer) -> None:
+    """HTTP reads an auth scheme in any case (RFC 9110): `bearer <token>` was refused."""
+    request = llm_pb2.GenerateRequest(
+        model="ft-a", messages=[llm_pb2.ChatMessage(role="user", content=[llm_pb2.ContentPart(text="hi")])]
+    )
+    request.sampling.max_tokens = 1
+    with grpc.insecure_channel(f"127.0.0.1:{token_server.port}") as channel:
+        stub = llm_pb2_grpc.LLMServiceStub(channel)
+        for header in ("bearer s3cret-token", "BEARER s3cret-token", "Bearer s3cret-token"):
+            assert list(stub.Generate(request, metadata=(("authorization", header),), timeout=30))
+        for header in ("Bearer S3CRET-TOKEN", "Bearer  s3cret-token", "s3cret-token", "Basic s3cret-token"):
+            with pytest.raises(grpc.RpcError) as caught:
+                list(stub.Generate(request, metadata=(("authorization", header),), timeout=30))
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED, header
 
 
 @pytest.fixture(scope="module")
