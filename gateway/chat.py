@@ -57,13 +57,18 @@ def _sampling(request: ChatCompletionRequest) -> Sampling:
     )
 
 
-def _media_parts(request: ChatCompletionRequest) -> list[MediaPart]:
-    """Every image and video part, in order."""
+def _part_param(message_index: int, part_index: int) -> str:
+    """How an error names a content part: by its path in the request."""
+    return f"messages[{message_index}].content[{part_index}]"
+
+
+def _media_parts(request: ChatCompletionRequest) -> list[tuple[str, MediaPart]]:
+    """Every image and video part, in order, with its path (_part_param)."""
     return [
-        part
-        for message in request.messages
+        (_part_param(i, j), part)
+        for i, message in enumerate(request.messages)
         if isinstance(message.content, list)
-        for part in message.content
+        for j, part in enumerate(message.content)
         if isinstance(part, MediaPart)
     ]
 
@@ -92,14 +97,13 @@ def _request_param(part_param: str, source: Source, encoder_param: str | None) -
     return f"{part_param}.video[{frame.group(1)}]" if frame else f"{part_param}.video"
 
 
-async def _encode_sources(request: ChatCompletionRequest, backends: Backends, request_id: str) -> dict[Source, str]:
+async def _encode_sources(media: list[tuple[str, MediaPart]], backends: Backends, request_id: str) -> dict[Source, str]:
     """Source -> key, each distinct image URL or frame list encoded once, concurrently; an error
-    names the first part that holds the source (messages[i].content[j])."""
+    names the first part that holds the source."""
     param_of: dict[Source, str] = {}
-    for i, message in enumerate(request.messages):
-        for j, part in enumerate(message.content if isinstance(message.content, list) else []):
-            if isinstance(part, ImageUrlPart | VideoPart) and part.source is not None:
-                param_of.setdefault(part.source, f"messages[{i}].content[{j}]")
+    for param, part in media:
+        if isinstance(part, ImageUrlPart | VideoPart) and part.source is not None:
+            param_of.setdefault(part.source, param)
     encoded = await asyncio.gather(*(_encode(backends, source, request_id, at) for source, at in param_of.items()))
     return {source: result.key for source, result in zip(param_of, encoded, strict=True)}
 
@@ -145,14 +149,14 @@ async def prepare(
             f"{len(media)} images and videos in one request; the limit is {settings.max_media_per_request}",
             param="messages",
         )
-    key_of = await _encode_sources(request, backends, request_id)
+    key_of = await _encode_sources(media, backends, request_id)
     messages = []
     for i, message in enumerate(request.messages):
         if isinstance(message.content, str):
             messages.append(Message(message.role, [message.content]))
             continue
         content = [
-            await _content_item(part, f"messages[{i}].content[{j}]", key_of, request, backends, settings)
+            await _content_item(part, _part_param(i, j), key_of, request, backends, settings)
             for j, part in enumerate(message.content)
         ]
         messages.append(Message(message.role, content))
