@@ -13,7 +13,11 @@ HTTP_SECONDS = Histogram(
     "gateway_http_request_seconds", "Time to the response head (streams: to the first event), by route.", ["route"],
     buckets=LATENCY_BUCKETS,
 )  # fmt: skip
-IN_FLIGHT = Gauge("gateway_chat_in_flight", "Chat completions being served now.")
+# The name is older than encodes taking slots too; kept, as dashboards and alerts query it.
+IN_FLIGHT = Gauge(
+    "gateway_chat_in_flight",
+    "Chat completions and encodes being served now (the slots of GATEWAY_MAX_CONCURRENT_REQUESTS).",
+)
 TTFT_SECONDS = Histogram(
     "gateway_ttft_seconds",
     "Time from request to the first generated token of a streamed chat, by model.",
