@@ -17,7 +17,7 @@ from gateway import metrics, summary
 from gateway.access import Admission, ApiKeys
 from gateway.backends import Backends
 from gateway.chat import generate, prepare
-from gateway.errors import install_error_handlers
+from gateway.errors import ENCODING, failing_as, install_error_handlers
 from gateway.event_response import EventStreamResponse
 from gateway.exchange import ExchangeMiddleware, on_exchange_end
 from gateway.openai_format import IndexedChunks, completion, event_stream
@@ -121,23 +121,25 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         """Encodes an image once (or finds it stored) and returns the key to reference it by."""
         on_exchange_end(request, admission.enter())  # a tower forward pass: the costliest work we do
         encoder = request.app.state.backends.encoder
-        result = await encoder.encode(
-            image_url=body.image_url,
-            min_pixels=body.min_pixels,
-            max_pixels=body.max_pixels,
-            request_id=request.state.request_id,
-        )
-        return await _encode_response(encoder, result, body.return_embeddings)
+        with failing_as(ENCODING):
+            result = await encoder.encode(
+                image_url=body.image_url,
+                min_pixels=body.min_pixels,
+                max_pixels=body.max_pixels,
+                request_id=request.state.request_id,
+            )
+            return await _encode_response(encoder, result, body.return_embeddings)
 
     @app.post("/v1/videos/encode")
     async def encode_video(body: EncodeVideoRequest, request: Request) -> EncodeMediaResponse:
         """Encodes a video (its frames, in order) once and returns the key for a video_embeds part."""
         on_exchange_end(request, admission.enter())
         encoder = request.app.state.backends.encoder
-        result = await encoder.encode_video(
-            body.frames, min_pixels=body.min_pixels, max_pixels=body.max_pixels, request_id=request.state.request_id
-        )
-        return await _encode_response(encoder, result, body.return_embeddings)
+        with failing_as(ENCODING):
+            result = await encoder.encode_video(
+                body.frames, min_pixels=body.min_pixels, max_pixels=body.max_pixels, request_id=request.state.request_id
+            )
+            return await _encode_response(encoder, result, body.return_embeddings)
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics() -> Response:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from gateway import metrics, summary
 from gateway.backends import Backends
+from gateway.errors import ENCODING, failing_as, model_subject
 from gateway.inline_embeds import inline_blob
 from gateway.schemas import ChatCompletionRequest, ImageUrlPart, MediaEmbedsPart, MediaPart, TextPart, VideoPart
 from gateway.settings import GatewaySettings
@@ -79,9 +80,10 @@ def _stored(modality: Modality, key: str) -> ImageKey | VideoKey:
 
 async def _encode(backends: Backends, source: Source, request_id: str, part_param: str | None = None) -> EncodedMedia:
     try:
-        if isinstance(source, str):
-            return await backends.encoder.encode(image_url=source, request_id=request_id)
-        return await backends.encoder.encode_video(list(source), request_id=request_id)
+        with failing_as(ENCODING):
+            if isinstance(source, str):
+                return await backends.encoder.encode(image_url=source, request_id=request_id)
+            return await backends.encoder.encode_video(list(source), request_id=request_id)
     except ServiceError as error:
         if part_param is not None and error.kind.http_status < 500:  # the client's: name its field
             error.param = _request_param(part_param, source, error.param)
@@ -116,7 +118,8 @@ async def _inline(
             f"inline {part.modality}_embeds are disabled on this gateway; reference a stored key with uuid",
             param=param,
         )
-    encoder_ids = (await backends.model_info(request.model)).accepted_encoder_ids
+    with failing_as(model_subject(request.model)):
+        encoder_ids = (await backends.model_info(request.model)).accepted_encoder_ids
     assert part.embeds is not None and part.grid_thw is not None  # checked by the schema
     blob = inline_blob(part.embeds, part.grid_thw, encoder_ids[0], param, part.modality)
     return InlineEmbedding(blob, part.modality)
@@ -210,7 +213,8 @@ async def _one_choice(
 ) -> AsyncIterator[GenerationChunk]:
     """One choice's chunks, from one LLM service of the model."""
     started = time.perf_counter()
-    stream, first = await _opened(request, chat, backends, sampling, request_id)
+    with failing_as(model_subject(request.model)):
+        stream, first = await _opened(request, chat, backends, sampling, request_id)
     first_at = time.perf_counter()
     if request.stream:  # else this first chunk is the whole choice
         metrics.TTFT_SECONDS.labels(request.model).observe(first_at - started)
@@ -221,12 +225,13 @@ async def _one_choice(
     # The consumer asks for the next chunk once it has sent this one as a response event, so the
     # time spent in each yield is the relay (with n > 1, only the hand-over to the merging queue).
     relaying = time.perf_counter() - first_at
-    async for chunk in stream:
-        if chunk.finish_reason is not None:
-            _finished(request, chunk, first_at)
-        handed = time.perf_counter()
-        yield chunk
-        relaying += time.perf_counter() - handed
+    with failing_as(model_subject(request.model)):
+        async for chunk in stream:
+            if chunk.finish_reason is not None:
+                _finished(request, chunk, first_at)
+            handed = time.perf_counter()
+            yield chunk
+            relaying += time.perf_counter() - handed
     metrics.STAGE_SECONDS.labels("relay").observe(relaying)
 
 

@@ -1,14 +1,69 @@
-"""The gateway's one mapping from exceptions to HTTP responses with OpenAI error bodies."""
+"""The gateway's one mapping from exceptions to HTTP responses with OpenAI error bodies.
+
+A client's mistake (4xx) is told as the service that found it said it: precise, naming the field.
+A server-side error (5xx) is told in the client's words, as what failed (the model it asked for,
+the encoding of its images and videos) and whether a retry may help: the services' own words name
+addresses and parts of the deployment ("LLM service at 10.0.3.7:50062 is unavailable: ..."),
+which are no business of an outside client. The full detail goes to the request's summary line
+(gateway.summary), under the request id the response carries in x-request-id.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from gateway.openai_format import error_body
-from shared.errors import ERROR_CLASSES, InvalidInput, ServiceError, Unavailable, clip
+from gateway import summary
+from shared.errors import ERROR_CLASSES, DeadlineExceeded, InvalidInput, ServiceError, Unavailable, clip
+from shared.request_context import request_id_var
+
+# What a server-side error names as failed when no call site named anything (a gateway bug).
+SERVER = "the server"
+# The encoder, as a client knows it: what turns its images and videos into what a model reads.
+ENCODING = "image and video encoding"
+
+
+def model_subject(model: str) -> str:
+    """A model's LLM services, as a client knows them: the model it asked for."""
+    return f"the model {clip(model)!r}"
+
+
+@contextmanager
+def failing_as(subject: str) -> Iterator[None]:
+    """A server-side error raised in the block is told to the client as `subject`'s failure. The
+    innermost block names it: a key re-encoded while a model's call is retried is the encoding's."""
+    try:
+        yield
+    except ServiceError as error:
+        if error.kind.http_status >= 500 and error.subject is None:
+            error.subject = subject
+        raise
+
+
+def public_message(error: ServiceError) -> str:
+    """What a client is told of a server-side error: what failed, and whether to retry."""
+    subject = error.subject or SERVER
+    if isinstance(error, Unavailable):
+        return f"{subject} is unavailable right now; retry later"
+    if isinstance(error, DeadlineExceeded):
+        return f"{subject} did not finish in time; retry later"
+    request_id = request_id_var.get()
+    quote = f"; quote request id {request_id} when you report it" if request_id else ""
+    return f"{subject} failed with an internal error{quote}"
+
+
+def error_body(error: ServiceError) -> dict[str, Any]:
+    """The OpenAI error object. Every error a client is told of, as a response or as a stream's
+    error event, is shaped here, so here it is also noted, in full, on the request's summary line."""
+    summary.current().note_error(error.code, error.message)
+    message = public_message(error) if error.kind.http_status >= 500 else error.message
+    return {"error": {"message": message, "type": error.kind.openai_type, "param": error.param, "code": error.code}}
 
 
 def error_response(error: ServiceError) -> JSONResponse:

@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from gateway import summary
+from gateway.errors import error_body
 from gateway.event_response import LastEvents
 from gateway.openai_logprobs import logprobs_body
 from shared.errors import Internal, ServiceError
@@ -16,15 +16,6 @@ from shared.sdk import GenerationChunk, TokenLogprob
 
 logger = logging.getLogger(__name__)
 IndexedChunks = AsyncIterator[tuple[int, GenerationChunk]]
-
-
-def error_body(error: ServiceError) -> dict[str, Any]:
-    """The OpenAI error object. Every error a client is told of, as a response or as a stream's
-    error event, is shaped here, so here it is also noted on the request's summary line."""
-    summary.current().note_error(error.code, error.message)
-    return {
-        "error": {"message": error.message, "type": error.kind.openai_type, "param": error.param, "code": error.code}
-    }
 
 
 class _Usage:

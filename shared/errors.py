@@ -40,6 +40,10 @@ class ServiceError(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
+        # What failed, in the words of a public API's client ("the model 'ft-a'"): set by the
+        # gateway where it calls a backend, so that it can tell the client of a server-side error
+        # without naming the backend's address (gateway/errors.py). Never sent over gRPC.
+        self.subject: str | None = None
 
 
 class InvalidInput(ServiceError):
