@@ -6,6 +6,7 @@ No gRPC here: the servicer converts protos to these calls and back.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from encoder_service.fetch import FetchPolicy, fetch_image
 from encoder_service.images import decode_data_url, is_data_url, load_image
 from encoder_service.metrics import EncoderCounters
 from encoder_service.resize import PixelPolicy
+from encoder_service.single_flight import SingleFlight
 from encoder_service.video import preprocess_video
 from encoder_service.vision import Preprocessed, VisionEncoder
 from shared import tracing
@@ -69,7 +71,7 @@ class EncoderCore:
     batcher: LanedBatcher[Preprocessed, torch.Tensor] | MicroBatcher[Preprocessed, torch.Tensor]
     progress: ProgressWatch  # forward passes finished, while one is under way
     counters: EncoderCounters = field(default_factory=EncoderCounters)
-    _in_flight: dict[str, asyncio.Task[EncodeResult]] = field(default_factory=dict)
+    _in_flight: SingleFlight[EncodeResult] = field(default_factory=SingleFlight)
 
     @property
     def rules(self) -> BlobRules:
@@ -116,16 +118,11 @@ class EncoderCore:
         self, key: str, modality: Modality, preprocess: Callable[[], Preprocessed]
     ) -> EncodeResult:
         """Encodes under `key` once, however many callers ask for it at the same time."""
-        running = self._in_flight.get(key)
-        if running is not None:
+        joining = self._in_flight.joining(key)
+        if joining:
             self.counters.coalesced += 1
-            result = await asyncio.shield(running)
-            return EncodeResult(result.key, result.grid_thw, result.num_tokens, True, result.encoder_id)
-        task = asyncio.create_task(self._encode_or_reuse(key, modality, preprocess))
-        self._in_flight[key] = task
-        task.add_done_callback(lambda _: self._in_flight.pop(key, None))
-        # Shielded: a caller that goes away does not cancel work others may be waiting on.
-        return await asyncio.shield(task)
+        result = await self._in_flight.run(key, lambda: self._encode_or_reuse(key, modality, preprocess))
+        return dataclasses.replace(result, cache_hit=True) if joining else result
 
     async def get_blob(self, key: str) -> bytes:
         """The blob stored under `key`, only if it is an embedding this encoder made and would accept.

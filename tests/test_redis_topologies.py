@@ -17,6 +17,7 @@ from encoder_service.batcher import MicroBatcher
 from encoder_service.core import EncoderCounters
 from encoder_service.server import start_encoder_server
 from encoder_service.settings import EncoderSettings
+from encoder_service.single_flight import SingleFlight
 from llm_service.blob_cache import BlobCache
 from llm_service.server import start_llm_server
 from llm_service.settings import LLMSettings
@@ -107,7 +108,7 @@ def test_end_to_end_against_the_cluster_matches_single_redis(
     """A second encoder and LLM service (sharing the loaded models) whose store is the cluster."""
     cluster_store = StoreConfig(url=redis_cluster, ttl_s=300)
     encoder_core = dataclasses.replace(
-        stack.encoder.core, store=EmbeddingStore(cluster_store), counters=EncoderCounters(), _in_flight={},
+        stack.encoder.core, store=EmbeddingStore(cluster_store), counters=EncoderCounters(), _in_flight=SingleFlight(),
         batcher=MicroBatcher(stack.encoder.core.vision.encode_batch, 8, 0.005),
     )  # fmt: skip
     llm_core = dataclasses.replace(stack.llms["ft-b"].core, store=EmbeddingStore(cluster_store), cache=BlobCache(0))
