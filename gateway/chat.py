@@ -7,7 +7,8 @@ import asyncio
 import dataclasses
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from gateway import metrics, summary
@@ -97,6 +98,52 @@ def _request_param(part_param: str, source: Source, encoder_param: str | None) -
         return f"{part_param}.image_url.url"
     frame = re.fullmatch(r"frames\[(\d+)\]", encoder_param or "")
     return f"{part_param}.video[{frame.group(1)}]" if frame else f"{part_param}.video"
+
+
+def _media_field(part: MediaPart) -> str:
+    """The field of a media part that holds its image or video, as the request spells it."""
+    if isinstance(part, ImageUrlPart):
+        return "image_url.url" if part.source is not None else "uuid"
+    if isinstance(part, VideoPart):
+        return "video"
+    return "uuid" if part.uuid is not None else f"{part.modality}_embeds"
+
+
+def _llm_param(request: ChatCompletionRequest, llm_param: str | None) -> str | None:
+    """The request's field that an LLM service's complaint is about. The service names the fields
+    of the GenerateRequest the gateway made of the request: its messages and parts are the
+    request's, at the same indices (prepare), but a media part's field is the proto's
+    (messages[0].content[1].image.key) and max_tokens is the proto's name for either token limit."""
+    if llm_param == "max_tokens":
+        return "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    at = re.match(r"messages\[(\d+)\]\.content\[(\d+)\]\.(image|video)\b", llm_param or "")
+    if at is None:
+        return llm_param
+    i, j = int(at.group(1)), int(at.group(2))
+    content = request.messages[i].content if i < len(request.messages) else None
+    part = content[j] if isinstance(content, list) and j < len(content) else None
+    return f"{_part_param(i, j)}.{_media_field(part)}" if isinstance(part, MediaPart) else llm_param
+
+
+@contextmanager
+def _answering_for(request: ChatCompletionRequest) -> Iterator[None]:
+    """Errors of the model's LLM services in the request's terms: a server-side one is the model's
+    failure; a client's mistake names the request's own field (_llm_param)."""
+    with failing_as(model_subject(request.model)):
+        try:
+            yield
+        except ServiceError as error:
+            if error.kind.http_status < 500:
+                _rename_param(error, _llm_param(request, error.param))
+            raise
+
+
+def _rename_param(error: ServiceError, param: str | None) -> None:
+    """Names `param` as the error's field, and in its message where the message begins with the
+    old name ("max_tokens must be in 1..4096" for a request that set max_completion_tokens)."""
+    if error.param and param and error.message.startswith(f"{error.param} "):
+        error.message = param + error.message.removeprefix(error.param)
+    error.param = param
 
 
 async def _encode_sources(media: list[tuple[str, MediaPart]], backends: Backends, request_id: str) -> dict[Source, str]:
@@ -213,7 +260,7 @@ async def _one_choice(
 ) -> AsyncIterator[GenerationChunk]:
     """One choice's chunks, from one LLM service of the model."""
     started = time.perf_counter()
-    with failing_as(model_subject(request.model)):
+    with _answering_for(request):
         stream, first = await _opened(request, chat, backends, sampling, request_id)
     first_at = time.perf_counter()
     if request.stream:  # else this first chunk is the whole choice
@@ -225,7 +272,7 @@ async def _one_choice(
     # The consumer asks for the next chunk once it has sent this one as a response event, so the
     # time spent in each yield is the relay (with n > 1, only the hand-over to the merging queue).
     relaying = time.perf_counter() - first_at
-    with failing_as(model_subject(request.model)):
+    with _answering_for(request):
         async for chunk in stream:
             if chunk.finish_reason is not None:
                 _finished(request, chunk, first_at)

@@ -23,6 +23,15 @@ class MediaInput:
     modality: Modality
     key: str | None = None
     blob: bytes | None = None
+    at: str = ""  # the part's path in the request, messages[i].content[j]; "" outside a request
+
+    @property
+    def param(self) -> str | None:
+        """The request's field that holds it, as an error names it: the GenerateRequest's own path,
+        messages[i].content[j].image.key (a video's: .video.key; inline: .embedding_blob)."""
+        if not self.at:
+            return None
+        return f"{self.at}.{self.modality}.{'key' if self.key is not None else 'embedding_blob'}"
 
 
 @dataclass(frozen=True)
@@ -64,20 +73,18 @@ def _message_from_pb(message: llm_pb2.ChatMessage, index: int) -> PromptMessage:
         raise InvalidInput(f"role must be one of {', '.join(ROLES)}", param=f"messages[{index}].role")
     parts: list[str | MediaInput] = []
     for j, part in enumerate(message.content):
-        which = part.WhichOneof("part")
+        which, at = part.WhichOneof("part"), f"messages[{index}].content[{j}]"
         if which == "text":
             parts.append(part.text)
             continue
         ref = part.image if which == "image" else part.video if which == "video" else None
         source = None if ref is None else ref.WhichOneof("source")
         if ref is None or source is None:
-            raise InvalidInput(
-                "content part must be text, or an image or video key/blob", param=f"messages[{index}].content[{j}]"
-            )
+            raise InvalidInput("content part must be text, or an image or video key/blob", param=at)
         if source == "key":
-            parts.append(MediaInput(which, key=ref.key))
+            parts.append(MediaInput(which, key=ref.key, at=at))
         else:
-            parts.append(MediaInput(which, blob=ref.embedding_blob))
+            parts.append(MediaInput(which, blob=ref.embedding_blob, at=at))
     return PromptMessage(message.role, parts)
 
 

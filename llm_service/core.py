@@ -122,48 +122,52 @@ class LLMCore:
             raise InvalidInput(
                 f"{len(media)} images and videos in one request; the limit is {self.max_media}", param="messages"
             )
-        keys = list(dict.fromkeys(item.key for item in media if item.key is not None))
-        for key in keys:
-            self._check_encoder(key)
-        by_key = {key: blob for key in keys if (blob := self.cache.get(key)) is not None}
-        await self._fetch_into(by_key, [key for key in keys if key not in by_key])
-        inline = [item.blob for item in media if item.key is None]
-        decoded_inline = iter(await decode_items_async(inline, self.rules, "inline embedding"))
+        holders = _stored_once(media)
+        for holder in holders:
+            self._check_encoder(holder)
+        by_key = {item.key: blob for item in holders if item.key and (blob := self.cache.get(item.key)) is not None}
+        await self._fetch_into(by_key, [item for item in holders if item.key not in by_key])
+        inline = [item for item in media if item.key is None]
+        decoded_inline = iter(
+            await decode_items_async([item.blob for item in inline], self.rules, "inline embedding", inline)
+        )
         blobs = [by_key[item.key] if item.key is not None else next(decoded_inline) for item in media]
         for index, (item, blob) in enumerate(zip(media, blobs, strict=True)):
             _check_modality(item, blob, index)
         return blobs
 
-    def _check_encoder(self, key: str) -> None:
-        encoder_id = encoder_id_of_key(key, param="image.key")
+    def _check_encoder(self, item: MediaInput) -> None:
+        key = item.key or ""
+        encoder_id = encoder_id_of_key(key, param=item.param or "key")
         if encoder_id not in self.rules.accepted_encoder_ids:
             raise IncompatibleEncoder(
                 f"key {clip(key)!r} was made by encoder {encoder_id!r}, which model {self.model_name!r} does not accept",
-                param="image.key",
+                param=item.param,
             )
 
-    async def _fetch_into(self, by_key: dict[str, EmbeddingBlob], keys: list[str]) -> None:
-        """Fetches `keys` in one round trip, validates and caches them. A key that another request
-        is fetching already is awaited, not fetched again: a burst of questions on a new image
-        costs one GET per pod, not one per question."""
-        joined = {key: self._fetching[key] for key in keys if key in self._fetching}
-        if own := [key for key in keys if key not in joined]:
+    async def _fetch_into(self, by_key: dict[str, EmbeddingBlob], items: list[MediaInput]) -> None:
+        """Fetches the items' keys in one round trip, validates and caches them. A key that another
+        request is fetching already is awaited, not fetched again: a burst of questions on a new
+        image costs one GET per pod, not one per question."""
+        joined = {item.key: (item, self._fetching[item.key]) for item in items if item.key in self._fetching}
+        if own := [item for item in items if item.key not in joined]:
             await self._fetch_own(by_key, own)
-        for key, pending in joined.items():
+        for key, (item, pending) in joined.items():
             # Shielded: this request going away must not cancel the fetch others wait on.
             blob = await asyncio.shield(pending)
             if blob is None:  # that fetch failed or was cancelled: fetch (and report errors) anew
-                await self._fetch_own(by_key, [key])
+                await self._fetch_own(by_key, [item])
             else:
                 by_key[key] = blob
 
-    async def _fetch_own(self, by_key: dict[str, EmbeddingBlob], keys: list[str]) -> None:
-        """Fetches `keys` in one round trip, letting concurrent requests for them wait on it."""
+    async def _fetch_own(self, by_key: dict[str, EmbeddingBlob], items: list[MediaInput]) -> None:
+        """Fetches the items' keys in one round trip, letting concurrent requests for them wait on it."""
         loop = asyncio.get_running_loop()
+        keys = [item.key for item in items if item.key is not None]
         futures: dict[str, asyncio.Future[EmbeddingBlob | None]] = {key: loop.create_future() for key in keys}
         self._fetching.update(futures)
         try:
-            for key, blob in zip(keys, await fetch_items(self.store, keys, self.rules), strict=True):
+            for key, blob in zip(keys, await fetch_items(self.store, keys, self.rules, items), strict=True):
                 self.cache.put(key, blob)
                 by_key[key] = blob
                 futures[key].set_result(blob)
@@ -175,16 +179,27 @@ class LLMCore:
                     del self._fetching[key]
 
 
+def _stored_once(media: list[MediaInput]) -> list[MediaInput]:
+    """The items that name a stored key, each key once, by the first part that names it (the part
+    its errors name), in order."""
+    first: dict[str, MediaInput] = {}
+    for item in media:
+        if item.key is not None:
+            first.setdefault(item.key, item)
+    return list(first.values())
+
+
 def _check_modality(item: MediaInput, blob: EmbeddingBlob, index: int) -> None:
     """An image part must get an image blob (grid t == 1) and a video part a video blob."""
-    where = f"{item.modality} part {index}" + (f" (key {clip(item.key)!r})" if item.key is not None else " (inline)")
+    where = f"{item.modality} at {item.at}" if item.at else f"{item.modality} part {index}"
+    where += f" (key {clip(item.key)!r})" if item.key is not None else " (inline)"
     if blob.modality != item.modality:
         raise InvalidEmbedding(
             f"{where} holds {blob.modality} embeddings; send them in a part of type {blob.modality}_embeds",
-            param=item.modality,
+            param=item.param,
         )
     if item.modality == "image" and int(blob.grid_thw[0, 0]) != 1:
-        raise InvalidEmbedding(f"{where} has grid t = {int(blob.grid_thw[0, 0])}; an image has t = 1", param="image")
+        raise InvalidEmbedding(f"{where} has grid t = {int(blob.grid_thw[0, 0])}; an image has t = 1", param=item.param)
 
 
 def _media_uuid(item: MediaInput) -> str:

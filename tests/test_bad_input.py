@@ -213,6 +213,37 @@ def test_unknown_key_is_404_at_gateway_and_llm_service(stack: Stack) -> None:
     assert caught.value.keys == [key]
 
 
+def test_an_llm_services_complaint_names_the_requests_field(stack: Stack) -> None:
+    """The LLM service names the fields of the GenerateRequest the gateway made (image.key, and
+    max_tokens for either token limit): through the gateway the error names the request's own field,
+    the part's uuid or image_url.url, and max_completion_tokens where that is what the client set."""
+    encoder_id = EncoderClient(stack.encoder_target).stats().encoder_id
+    frames = [data_url(png_bytes(95)), data_url(png_bytes(96))]
+    video_key = httpx.post(f"{stack.base_url}/v1/videos/encode", json={"frames": frames}, timeout=120).json()["key"]
+    text = {"type": "text", "text": "What?"}
+
+    def stored(key: str) -> dict:
+        return {"type": "image_embeds", "image_embeds": None, "uuid": key}
+
+    never_stored = stored(embedding_key(encoder_id, b"never stored either", 1, 2, dtype="float32"))
+    other_encoders = stored(embedding_key("qwen2vl-other", b"x", 1, 2, dtype="float32"))
+    cases = [
+        ([text, never_stored], 404, "messages[0].content[1].uuid"),
+        ([other_encoders, text], 409, "messages[0].content[0].uuid"),
+        ([text, text, stored(video_key)], 400, "messages[0].content[2].uuid"),  # a video's blob as an image
+    ]
+    for content, status, param in cases:
+        body = {"model": "ft-b", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+        _assert_error(_chat(stack, body), status, param=param)
+    limited = {"model": "ft-b", "max_completion_tokens": 5000, "messages": [{"role": "user", "content": "hi"}]}
+    error = _assert_error(_chat(stack, limited), 400, param="max_completion_tokens")
+    assert error["message"].startswith("max_completion_tokens must be in 1..")
+    # gRPC SDK users get the GenerateRequest's own path.
+    with LLMClient(stack.llm_target("ft-b")) as llm, pytest.raises(InvalidEmbedding) as caught:
+        list(llm.generate("ft-b", [Message("user", ["What?", ImageKey(video_key)])]))
+    assert caught.value.param == "messages[0].content[1].image.key"
+
+
 def test_gateway_re_encodes_once_when_a_key_vanishes_before_generate(stack: Stack, openai_client: OpenAI) -> None:
     encoder = stack.gateway_app.state.backends.encoder
     original_encode = encoder.encode

@@ -33,9 +33,15 @@ def _pb(**sampling: object) -> llm_pb2.GenerateRequest:
 
 def test_messages_keep_their_parts_in_order_and_media_lists_them() -> None:
     chat = ChatRequest.from_pb(_pb(), LIMITS)
-    video, image = MediaInput("video", key="emb:v1:enc:v"), MediaInput("image", blob=b"blob")
+    video = MediaInput("video", key="emb:v1:enc:v", at="messages[0].content[0]")
+    image = MediaInput("image", blob=b"blob", at="messages[0].content[2]")
     assert chat.messages == [PromptMessage("user", [video, "what happens?", image])]
     assert chat.media == [video, image]
+    # An error about an item names its field by its path in the GenerateRequest.
+    assert (video.param, image.param) == (
+        "messages[0].content[0].video.key",
+        "messages[0].content[2].image.embedding_blob",
+    )
     assert chat.sampling == SamplingParams(max_tokens=16)
 
 

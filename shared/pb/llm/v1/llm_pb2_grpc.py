@@ -62,6 +62,11 @@ class LLMServiceServicer:
         bad sampling parameters, a blob that breaks the invariants),
         FAILED_PRECONDITION (a blob from an encoder this model does not accept),
         UNAVAILABLE (Redis unreachable).
+        The `error-param` trailing metadata names the request's field at fault by
+        its path in this GenerateRequest: a media part's key or blob as
+        `messages[0].content[1].image.key` (`.video.key`; inline:
+        `.image.embedding_blob`, `.video.embedding_blob`), a sampling field by its
+        name (`max_tokens`), else `messages`, `messages[0].role`, `model`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
