@@ -101,8 +101,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             # cost of json.dumps, all of it on the event loop (a third of a second, every stream on
             # the gateway stalled, for 1,000 tokens with top_logprobs 20).
             return JSONResponse(await completion(completion_id, body.model, body.n, chunks))
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = event_stream(completion_id, body.model, body.n, await _primed(chunks), include_usage)
+        options = body.stream_options
+        include_usage, continuous_usage = (
+            (options.include_usage, options.continuous_usage) if options else (False, False)
+        )
+        events = event_stream(completion_id, body.model, body.n, await _primed(chunks), include_usage, continuous_usage)
         return EventStreamResponse(events)
 
     @app.get("/v1/models")

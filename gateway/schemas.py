@@ -214,6 +214,16 @@ class ChatMessage(StrictRequest):
 
 class StreamOptions(StrictRequest):
     include_usage: bool = Field(False, description="Send a usage chunk before [DONE].")
+    continuous_usage_stats: bool = Field(
+        False,
+        description="vLLM's extension: with include_usage, every chunk also carries usage so far (the prompt's "
+        "tokens, its choice's completion tokens so far); without include_usage, no chunk does.",
+    )
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk: vLLM's rule, continuous_usage_stats counts only with include_usage."""
+        return self.include_usage and self.continuous_usage_stats
 
 
 def _sampling(param: str, description: str) -> Any:

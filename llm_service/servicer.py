@@ -37,10 +37,12 @@ class LLMServicer(GenerateManyServicer, llm_pb2_grpc.LLMServiceServicer):
             chunk = llm_pb2.GenerateChunk(
                 text=delta.text, token_ids=delta.token_ids, logprobs=self._namer.to_pb(delta.logprobs)
             )
+            # Usage so far on every chunk, not only the last: a client that streams usage as it goes
+            # (vLLM's continuous_usage_stats) needs the prompt's tokens from the first chunk on.
+            chunk.usage.prompt_tokens = delta.prompt_tokens
+            chunk.usage.completion_tokens = delta.completion_tokens
             if delta.finish_reason is not None:
                 chunk.finish_reason = _FINISH_REASONS[delta.finish_reason]
-                chunk.usage.prompt_tokens = delta.prompt_tokens
-                chunk.usage.completion_tokens = delta.completion_tokens
             ready = chunk if held is None else held.add(chunk)
             if ready is not None:
                 yield ready  # resumes once gRPC has taken the message

@@ -81,6 +81,38 @@ def test_streaming_n_choices_each_end_with_a_finish_reason(stack: Stack, openai_
     assert chunks[-1].usage.completion_tokens == 10
 
 
+@pytest.mark.parametrize("model", ["ft-a", "ft-b"])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(
+    stack: Stack, openai_client: OpenAI, model: str
+) -> None:
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk carries usage,
+    the prompt's tokens and its choice's completion tokens so far (0 in the role chunk), and the
+    last chunk the total, as without it; without include_usage no chunk has usage."""
+    kwargs = dict(
+        model=model, max_tokens=5, n=2, temperature=0, stream=True, messages=[{"role": "user", "content": "hi"}]
+    )
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(openai_client.chat.completions.create(**kwargs, stream_options=options))
+    total = chunks[-1].usage
+    assert chunks[-1].choices == [] and total.prompt_tokens > 0 and total.completion_tokens == 10
+    so_far = {0: -1, 1: -1}  # each choice's completion tokens in its chunks up to here
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        usage = chunk.usage
+        assert usage is not None and usage.prompt_tokens == total.prompt_tokens, chunk
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        if choice.delta.role:
+            assert usage.completion_tokens == 0
+        elif choice.finish_reason:
+            assert usage.completion_tokens == so_far[choice.index] == 5
+        else:
+            assert usage.completion_tokens > so_far[choice.index]
+        so_far[choice.index] = usage.completion_tokens
+    options["include_usage"] = False
+    plain = list(openai_client.chat.completions.create(**kwargs, stream_options=options))
+    assert len(plain) > 4 and all(chunk.usage is None for chunk in plain)
+
+
 def test_max_completion_tokens_stop_list_and_unknown_fields(stack: Stack, openai_client: OpenAI) -> None:
     reply = openai_client.chat.completions.create(
         model="ft-a", max_completion_tokens=3, messages=[{"role": "user", "content": "hi"}],
