@@ -106,10 +106,11 @@ class EncoderCore:
         tracing.annotate({tracing.MEDIA_KEY: key})
 
         def preprocess() -> Preprocessed:
-            decoded = [
+            # A generator: each frame is decoded only when the previous one has been resized.
+            decoded = (
                 load_image(data, self.limits.max_decoded_pixels, param=f"frames[{i}]")
                 for i, data in enumerate(frame_bytes)
-            ]
+            )
             return preprocess_video(self.vision.processor, decoded, min_px, max_px)
 
         return await self._single_flight(key, "video", preprocess)
