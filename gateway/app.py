@@ -175,8 +175,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
-        """200 when every backend reports SERVING, else 503 with each backend's state."""
-        backends = await request.app.state.backends.health()
+        """200 when every backend reports SERVING, else 503 with each backend's state, by name."""
+        backends = await request.app.state.backends.health_by_name()
         ok = all(backends.values())
         return JSONResponse(
             {"status": "ok" if ok else "degraded", "backends": backends}, status_code=200 if ok else 503

@@ -98,6 +98,17 @@ class Backends:
         targets = sorted({self.encoder.target, *(c.target for clients in self._models.values() for c in clients)})
         return dict(zip(targets, await asyncio.gather(*map(self._is_serving, targets)), strict=True))
 
+    async def health_by_name(self) -> dict[str, bool]:
+        """SERVING state of every backend, named by what it is ("encoder", "<model>/<i>" for the
+        model's i-th service), not where it is: /health is open to anyone who can reach the
+        gateway, and a backend's address tells an outside client the deployment's topology."""
+        serving = await self.health()
+        named = {"encoder": serving[self.encoder.target]}
+        for model in self.model_names:
+            for index, client in enumerate(self._models[model]):
+                named[f"{model}/{index}"] = serving[client.target]
+        return named
+
     async def close(self) -> None:
         await self.encoder.close()
         for clients in self._models.values():

@@ -105,3 +105,12 @@ def test_an_internal_error_is_a_500_that_names_the_request_id_not_the_backend(ga
         == "the model 'not-an-llm' failed with an internal error; quote request id public-internal when you report it"
     )
     assert "UNIMPLEMENTED" in logged  # what really happened, for the operator
+
+
+def test_health_names_each_backend_by_what_it_is_not_where_it_is(gateway: FastAPI, stack: Stack) -> None:
+    response = httpx.get(f"{gateway.state.base_url}/health", timeout=30)
+    assert response.status_code == 503  # nothing listens for "gone"
+    # "not-an-llm" routes to the encoder's port, whose server reports SERVING.
+    assert response.json()["backends"] == {"encoder": True, "ft-a/0": True, "gone/0": False, "not-an-llm/0": True}
+    for address in (DEAD, stack.encoder_target, stack.llm_target("ft-a")):
+        assert address not in response.text
