@@ -17,6 +17,22 @@ from shared.sdk.types import ChannelConfig
 ReplyT = TypeVar("ReplyT")
 ResultT = TypeVar("ResultT")
 
+# gRPC cannot hold a deadline much past 1e9 s from now: a call given a longer timeout (or inf)
+# ends at once with DEADLINE_EXCEEDED. A timeout longer than this one (three years) is no deadline.
+MAX_TIMEOUT_S = 1e8
+
+
+def call_timeout(timeout_s: float | None) -> float | None:
+    """The deadline of each call, in seconds from its start; None: none. A client's `timeout_s`
+    is read here only: None, inf or anything past MAX_TIMEOUT_S means no deadline; zero, a
+    negative number or NaN is a ValueError (every call would fail at once with DEADLINE_EXCEEDED,
+    which reads as a slow service)."""
+    if timeout_s is None:
+        return None
+    if not timeout_s > 0:  # also NaN
+        raise ValueError(f"timeout_s must be a positive number of seconds, or None for no deadline (got {timeout_s!r})")
+    return None if timeout_s > MAX_TIMEOUT_S else float(timeout_s)
+
 
 @dataclass(frozen=True)
 class Call(Generic[ReplyT, ResultT]):
@@ -39,9 +55,11 @@ class _Client:
 
     _aio: ClassVar[bool]  # a grpc.aio channel, or a blocking one
 
-    def __init__(self, service: str, stub_type: StubType, target: str, timeout_s: float, config: ChannelConfig | None):
+    def __init__(
+        self, service: str, stub_type: StubType, target: str, timeout_s: float | None, config: ChannelConfig | None
+    ) -> None:
         self.target = target
-        self.timeout_s = timeout_s
+        self.timeout_s = call_timeout(timeout_s)
         self._config = config or ChannelConfig()
         self._errors = f"{service} at {target}"
         self._channel = self._config.open(target, aio=self._aio)

@@ -39,7 +39,7 @@ def _stats() -> Call[encoder_pb2.EncoderStats, EncoderStats]:
 class AsyncEncoderClient(AsyncClient):
     """`async with AsyncEncoderClient("host:50051") as encoder: await encoder.encode(image_bytes=...)`."""
 
-    def __init__(self, target: str, timeout_s: float = 60.0, config: ChannelConfig | None = None) -> None:
+    def __init__(self, target: str, timeout_s: float | None = 60.0, config: ChannelConfig | None = None) -> None:
         super().__init__(SERVICE, encoder_pb2_grpc.EncoderServiceStub, target, timeout_s, config)
 
     async def encode(
@@ -66,7 +66,7 @@ class AsyncEncoderClient(AsyncClient):
 class EncoderClient(BlockingClient):
     """Blocking twin of AsyncEncoderClient, for scripts and pipelines."""
 
-    def __init__(self, target: str, timeout_s: float = 60.0, config: ChannelConfig | None = None) -> None:
+    def __init__(self, target: str, timeout_s: float | None = 60.0, config: ChannelConfig | None = None) -> None:
         super().__init__(SERVICE, encoder_pb2_grpc.EncoderServiceStub, target, timeout_s, config)
 
     def encode(

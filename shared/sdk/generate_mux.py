@@ -249,10 +249,11 @@ class GenerateMultiplexer:
         self._call_ids = itertools.count(1)
 
     async def generate(
-        self, request: llm_pb2.GenerateRequest, request_id: str | None, timeout_s: float
+        self, request: llm_pb2.GenerateRequest, request_id: str | None, timeout_s: float | None
     ) -> AsyncGenerator[llm_pb2.GenerateChunk, None]:
         """The call's chunks; raises MultiplexedCallError as it ends, unless it ended OK. Past
-        `timeout_s` it is cancelled and ends DEADLINE_EXCEEDED, as a call with that deadline."""
+        `timeout_s` (None: no deadline) it is cancelled and ends DEADLINE_EXCEEDED, as a call with
+        that deadline."""
         metadata = self._call_metadata() if self._call_metadata is not None else {}
         if request_id:
             metadata["x-request-id"] = request_id
@@ -264,7 +265,11 @@ class GenerateMultiplexer:
         deadline: MultiplexedCallError | None = MultiplexedCallError(
             grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
         )
-        timer = asyncio.get_running_loop().call_later(timeout_s, lambda: queue.put_nowait(deadline))
+        timer = (
+            None
+            if timeout_s is None
+            else asyncio.get_running_loop().call_later(timeout_s, lambda: queue.put_nowait(deadline))
+        )
         # Each refusal retires a stream, so after one per stream the call is on a fresh one.
         refusals_left = len(self._streams)
         ended = False
@@ -284,7 +289,8 @@ class GenerateMultiplexer:
                 yield arrival
             ended = True
         finally:
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
             if not ended:
                 stream.cancel(call_id)
             # The error raised holds this frame in its traceback, and this frame holds the error:

@@ -44,7 +44,7 @@ class AsyncLLMClient(AsyncClient):
     servers `target` names, so that each gets calls. 0: calls of their own."""
 
     def __init__(
-        self, target: str, timeout_s: float = 300.0, config: ChannelConfig | None = None, multiplex: int = 0
+        self, target: str, timeout_s: float | None = 300.0, config: ChannelConfig | None = None, multiplex: int = 0
     ) -> None:
         super().__init__(SERVICE, llm_pb2_grpc.LLMServiceStub, target, timeout_s, config)
         token, extra = call_metadata(self._config.token), self._config.call_metadata
@@ -103,7 +103,7 @@ class AsyncLLMClient(AsyncClient):
 class LLMClient(BlockingClient):
     """Blocking twin of AsyncLLMClient."""
 
-    def __init__(self, target: str, timeout_s: float = 300.0, config: ChannelConfig | None = None) -> None:
+    def __init__(self, target: str, timeout_s: float | None = 300.0, config: ChannelConfig | None = None) -> None:
         super().__init__(SERVICE, llm_pb2_grpc.LLMServiceStub, target, timeout_s, config)
 
     def generate(
