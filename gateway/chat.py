@@ -268,18 +268,24 @@ async def _one_choice(
         summary.current().note_first_token()
     if first.finish_reason is not None:  # a one-message answer (max_tokens 1, an immediate stop)
         _finished(request, first, first_at)
-    yield first
-    # The consumer asks for the next chunk once it has sent this one as a response event, so the
-    # time spent in each yield is the relay (with n > 1, only the hand-over to the merging queue).
-    relaying = time.perf_counter() - first_at
-    with _answering_for(request):
-        async for chunk in stream:
-            if chunk.finish_reason is not None:
-                _finished(request, chunk, first_at)
-            handed = time.perf_counter()
-            yield chunk
-            relaying += time.perf_counter() - handed
-    metrics.STAGE_SECONDS.labels("relay").observe(relaying)
+    last = first
+    try:
+        yield first
+        # The consumer asks for the next chunk once it has sent this one as a response event, so
+        # the time spent in each yield is the relay (with n > 1, only the hand-over to the merging
+        # queue).
+        relaying = time.perf_counter() - first_at
+        with _answering_for(request):
+            async for last in stream:
+                if last.finish_reason is not None:
+                    _finished(request, last, first_at)
+                handed = time.perf_counter()
+                yield last
+                relaying += time.perf_counter() - handed
+        metrics.STAGE_SECONDS.labels("relay").observe(relaying)
+    finally:
+        if last.finish_reason is None:  # cut off (its service failed, the client left): what it got
+            summary.current().note_usage(last.prompt_tokens, last.completion_tokens)
 
 
 def choice_seed(seed: int, index: int) -> int:

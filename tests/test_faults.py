@@ -7,6 +7,7 @@ starts with the whole stack up."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -319,6 +320,18 @@ def test_llm_killed_mid_stream_ends_that_stream_with_an_error_and_other_models_s
     chunks = [json.loads(p) for p in payloads[:-2]]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert all("error" not in c and c["choices"][0]["finish_reason"] is None for c in chunks)
+
+    # The request's summary line counts what the client got before the cut, not 0/0.
+    def cut_summary() -> list[str]:
+        lines = stack.log_tail("gateway", 400).splitlines()
+        return [
+            line for line in lines if "POST /v1/chat/completions 200 model=ft-a" in line and "error=unavailable" in line
+        ]
+
+    stack.wait_for(cut_summary, 10, "the cut stream's summary line")
+    (line,) = cut_summary()
+    tokens = re.search(r"tokens=(\d+)/(\d+)", line)
+    assert tokens is not None and int(tokens[1]) > 0 and int(tokens[2]) >= 1, line
 
     texts, raised = replay_through_openai(payloads)  # an openai client user sees an APIError, not a short answer
     assert isinstance(raised, openai.APIError) and raised.body["code"] == "unavailable"
