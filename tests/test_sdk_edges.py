@@ -5,11 +5,14 @@ argument no call could honour."""
 from __future__ import annotations
 
 import asyncio
+import io
 import math
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from scripts.ports import free_port
 from shared.errors import Unavailable
@@ -65,3 +68,54 @@ def test_multiplexed_generate_without_a_deadline_is_a_call(tmp_path: Path) -> No
 
     with pytest.raises(Unavailable):
         asyncio.run(generate())
+
+
+# --- a client closed under its calls --------------------------------------------------------
+
+
+def _slow_video() -> list[bytes]:
+    """Frames whose decoding and resizing take the encoder seconds; a shade of their own, so that
+    no earlier run has them stored."""
+    shade = time.time_ns() % 250
+    frames = []
+    for index in range(48):
+        buffer = io.BytesIO()
+        Image.new("RGB", (2000, 2000), (shade, index, 7)).save(buffer, format="PNG")
+        frames.append(buffer.getvalue())
+    return frames
+
+
+def test_an_async_client_closed_under_a_call_fails_it_unavailable(encoder: EncoderProcess) -> None:
+    """grpc.aio ends the calls of a closed channel with asyncio.CancelledError in tasks nobody
+    cancelled: `except ServiceError` missed it and the caller's task ended as if cancelled. The
+    blocking client, and a multiplexed generate, answer Unavailable "the client was closed"."""
+    frames = _slow_video()
+
+    async def scenario() -> tuple[BaseException | None, bool]:
+        client = AsyncEncoderClient(encoder.target, timeout_s=120)
+        task = asyncio.create_task(client.encode_video(frames))
+        await asyncio.sleep(0.5)
+        assert not task.done(), "the call should still be under way"
+        await client.close()
+        await asyncio.wait([task], timeout=30)
+        return (None if task.cancelled() else task.exception()), task.cancelled()
+
+    error, cancelled = asyncio.run(scenario())
+    assert not cancelled
+    assert isinstance(error, Unavailable), repr(error)
+    assert str(error) == f"encoder at {encoder.target} is unavailable: the client was closed"
+
+
+def test_cancelling_a_call_of_a_closed_client_still_cancels(encoder: EncoderProcess) -> None:
+    frames = _slow_video()
+
+    async def scenario() -> bool:
+        client = AsyncEncoderClient(encoder.target, timeout_s=120)
+        task = asyncio.create_task(client.encode_video(frames))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        await client.close()
+        await asyncio.wait([task], timeout=30)
+        return task.cancelled()
+
+    assert asyncio.run(scenario())

@@ -4,12 +4,15 @@ conversion of replies live here and in the per-method plans, never in a client m
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Generator
+import asyncio
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Self, TypeVar
 
 from google.protobuf.message import Message as ProtoMessage
 
+from shared.errors import Unavailable
 from shared.grpc_auth import call_metadata
 from shared.grpc_errors import raising_service_errors
 from shared.sdk.types import ChannelConfig
@@ -105,9 +108,10 @@ class AsyncClient(_Client):
     """Base of the async clients: runs the same plans on a grpc.aio channel."""
 
     _aio = True
+    _closed = False
 
     async def _unary(self, call: Call[Any, ResultT]) -> ResultT:
-        with raising_service_errors(self._errors):
+        with raising_service_errors(self._errors), self._closed_under_call():
             reply = await self._invoke(call)
         return call.result(reply)
 
@@ -115,13 +119,28 @@ class AsyncClient(_Client):
         """The stream's messages as results; leaving the loop early cancels the call on the server."""
         stream = self._invoke(call)
         try:
-            with raising_service_errors(self._errors):
+            with raising_service_errors(self._errors), self._closed_under_call():
                 async for message in stream:
                     yield call.result(message)
         finally:
             stream.cancel()
 
+    @contextmanager
+    def _closed_under_call(self) -> Iterator[None]:
+        """grpc.aio ends the calls open on a channel being closed with asyncio.CancelledError, in
+        tasks nobody cancelled: a caller's `except ServiceError` missed it, and its task ended as
+        if cancelled. Such a call fails Unavailable, as it does on the blocking client and when
+        multiplexed (its words: "the client was closed"); a task that is being cancelled still is."""
+        try:
+            yield
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not self._closed or task is None or task.cancelling():
+                raise
+            raise Unavailable(f"{self._errors} is unavailable: the client was closed") from None
+
     async def close(self) -> None:
+        self._closed = True
         await self._channel.close()
 
     async def __aenter__(self) -> Self:
