@@ -32,3 +32,8 @@ ENGINE_FROZEN_OBJECTS = Gauge(
     "llm_engine_gc_frozen_objects",
     "Objects the engine's own processes (vLLM's workers) froze once warmed up; 0 for an in-process engine.",
 )
+STALL_LIMIT_SECONDS = Gauge(
+    "llm_stall_limit_seconds",
+    "Seconds the engine may owe progress before the service counts it as hung and exits (LLM_STALL_S, or sized "
+    "at start-up from a timed prefill); 0: the watch is off.",
+)

@@ -55,6 +55,23 @@ class LLMSettings(StoreSettings, GrpcServerSettings):
         description="vLLM: most bytes of embeddings handed to the engine as files in /dev/shm rather than inside "
         "each request (0: every request carries its embeddings).",
     )
+    # Not GrpcServerSettings' fixed 600 s (the encoder's): unset, it is sized to the machine at start-up.
+    stall_s: float | None = Field(  # type: ignore[assignment]
+        None,
+        ge=0,
+        description="Seconds the engine may owe progress (a token, a probe's answer) before it counts as hung: the "
+        "service then reports NOT_SERVING and exits 1 to be restarted (shared/progress_watch.py); 0 turns the watch "
+        "off. Unset: sized at start-up from a timed prefill, 10x the engine's longest step and at least 60 s "
+        "(llm_service/server.py).",
+    )
+    engine_probe_s: float = Field(
+        5.0,
+        ge=0,
+        le=30,
+        description="Seconds between probes of the engine, a round trip it answers between two steps, so that an "
+        "engine frozen while idle counts as hung too; 0 turns them off. At most 30: a stall limit sized at "
+        "start-up may be 60 s, and must outlast a probe's interval plus a step.",
+    )
     blob_cache_bytes: int = Field(
         512 * 1024 * 1024, ge=0, description="Budget of the in-memory LRU of decoded blobs (0 disables it)."
     )

@@ -9,6 +9,9 @@ Triton kernels), so the first users asking for logprobs waited that long for a t
 tight STALL_S the progress watch took the compiling engine for a hung one and restarted the
 service. Here the service pays it once, at start-up, before anyone waits. The three warm-up
 requests show in vLLM's own request counters; ours never see them.
+
+Warmed up, the engine is also timed (`time_prefill`), where the service sizes its stall limit to
+the machine (llm_service/server.py): the time of a prefill, per prompt token.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ _SAMPLED = SamplingParams(
     max_tokens=2, temperature=1.0, top_p=0.9, seed=0, logprobs=MAX_TOP_LOGPROBS, presence_penalty=0.5,
     frequency_penalty=0.5,
 )  # fmt: skip
+# The prefill timed for the stall limit: long enough that the fixed cost of a request is a small
+# part of it, short enough to cost little at start-up.
+PREFILL_TOKENS = 256
+_ONE_TOKEN = SamplingParams(max_tokens=1)
 
 
 async def warm_up(engine: Engine) -> None:
@@ -41,6 +48,22 @@ async def warm_up(engine: Engine) -> None:
         _generate(engine, EngineRequest("warm-up-batch-1", prompt, sampling=_SAMPLED)),
     )
     logger.info("engine warmed up in %.2fs (sampling paths compiled before serving)", time.perf_counter() - started)
+
+
+async def time_prefill(engine: Engine) -> float:
+    """Seconds per prompt token of a prefill of PREFILL_TOKENS: the quicker of two, each of its own
+    prompt (the second must not find the first in vLLM's prefix cache), and the quicker because a
+    step of a new shape may pay one-time set-up. One token each, so that the prefill is nearly all
+    of the time; the rest (sampling one token, the round trip to the engine) counts as prefill,
+    erring toward a longer limit."""
+    tokens = min(PREFILL_TOKENS, engine.max_model_len - 1)
+    times = []
+    for index, word in enumerate(("prefill", "measure")):
+        prompt = engine.tokenizer.encode(f" {word}" * tokens)[:tokens]  # each word one token or more
+        started = time.perf_counter()
+        await _generate(engine, EngineRequest(f"warm-up-prefill-{index}", prompt, sampling=_ONE_TOKEN))
+        times.append(time.perf_counter() - started)
+    return min(times) / tokens
 
 
 async def _generate(engine: Engine, request: EngineRequest) -> None:

@@ -11,9 +11,21 @@ NOT_SERVING and exits non-zero to be restarted, as it does when its engine proce
 Only time with work in hand counts, so a service idle for an hour is not stalled by its first
 request; but that time adds up across pieces of work until progress comes: clients that give up
 on a hung engine (the gateway's 300 s deadline, a client's own) leave without progress, and each
-one's wait must count, or a hung engine seen by sparse traffic would never be caught. `stall_s`
-must exceed the slowest step the compute legitimately takes (a forward pass of the largest input
-allowed, an engine step of a long prefill on CPU).
+one's wait must count, or a hung engine seen by sparse traffic would never be caught.
+
+Requests are not the only work: an engine frozen while idle owes no request anything, and the next
+request would wait the whole limit for it. So the LLM service also probes its engine every few
+seconds (LLM_ENGINE_PROBE_S, llm_service/server.py) with a round trip the engine answers between
+two of its steps; the probe is work in hand and its answer progress, under the same rule. So
+what the watch catches is a compute that stops, not one that keeps turning without serving a
+request (an engine whose scheduler starved every request would answer its probes).
+
+An engine at work, probed, answers within a probe's interval and one step, so `stall_s` must
+exceed the slowest step the compute legitimately takes (a forward pass of the largest input
+allowed, the largest prefill chunk of an engine step on CPU); unprobed, the longest wait for a
+token (a whole prompt's prefill). `stall_limit` sizes it from that step: ten times over, so that a
+machine busier than at start-up, or a chunk deep into a long context, is no hung engine, and never
+under a minute, so that timing noise on a fast machine is none either.
 """
 
 from __future__ import annotations
@@ -24,6 +36,15 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+# stall_limit's rule: the limit is this many times the longest legitimate step, and at least MIN_STALL_S.
+STEP_MARGIN = 10
+MIN_STALL_S = 60.0
+
+
+def stall_limit(longest_step_s: float) -> float:
+    """The stall limit for a compute whose longest legitimate step takes `longest_step_s`."""
+    return max(MIN_STALL_S, STEP_MARGIN * longest_step_s)
+
 
 class ProgressWatch:
     """Counts work in hand and the time of the last progress. Safe to use from several threads
@@ -31,7 +52,7 @@ class ProgressWatch:
 
     def __init__(self, what: str, stall_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.what = what  # names the compute in the reason: "the vision tower", "the engine"
-        self.stall_s = stall_s  # 0: never stalled
+        self.stall_s = stall_s  # 0: never stalled; may be set later (the LLM service times its engine first)
         self._clock = clock
         self._lock = threading.Lock()
         self._working = 0

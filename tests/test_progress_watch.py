@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from shared.progress_watch import ProgressWatch
+from shared.progress_watch import ProgressWatch, stall_limit
 
 
 class Clock:
@@ -77,3 +77,9 @@ def test_waits_that_clients_gave_up_add_up_until_progress_comes() -> None:
         assert watch.stalled() is not None  # 5.5 s of waiting in all
         watch.progressed()
         assert watch.stalled() is None
+
+
+def test_a_limit_sized_from_the_longest_step_is_ten_times_it_and_never_under_a_minute() -> None:
+    assert stall_limit(0.1) == 60  # a GPU's or a tiny model's step: timing noise is no hung engine
+    assert stall_limit(6.0) == 60
+    assert stall_limit(30.0) == 300  # a long prefill chunk on CPU

@@ -244,6 +244,23 @@ class Engine(Protocol):
         """Stream deltas for one request; closing the iterator cancels the generation."""
         ...
 
+    @property
+    def longest_step_tokens(self) -> int:
+        """Most prompt tokens one step of the engine computes, between two chances to answer a
+        `probe`: the longest legitimate silence of the engine, which the stall limit must exceed
+        (llm_service/server.py sizes it from this). By default the engine prefills a whole prompt
+        in one step."""
+        return self.max_model_len
+
+    async def probe(self) -> None:
+        """Returns once the engine has answered a round trip that it can answer only between two
+        of its steps, so that it does not return while the engine is frozen or hung mid-step. The
+        service sends one every LLM_ENGINE_PROBE_S, busy or idle, and counts it as work owed to the
+        hung-engine watch (shared/progress_watch.py): an engine frozen while idle is caught too.
+        It must cost next to nothing and leave requests in the engine alone. This default answers
+        at once: right only for an engine that has no compute of its own to hang (a stand-in)."""
+        return None
+
     async def freeze_startup_heaps(self) -> int:
         """Freezes the start-up heap (shared/gc_heap.py) of each process the engine runs apart
         from the service, once warmed up; returns how many objects they froze (0: it runs none)."""

@@ -46,6 +46,7 @@ from llm_service.engines.logits import Penalties, RawLogprobs
 from shared.blob import Modality
 
 _DONE = object()  # end-of-stream marker on the queue
+_PROBE_POLL_S = 0.05  # how often a probe looks for the generation thread's next emit
 Emit = Callable[[object], None]
 # mm_token_type_ids as Qwen2-VL's processor makes them: 0 text, 1 image, 2 video.
 _MM_TOKEN_TYPES: dict[Modality, int] = {"image": 1, "video": 2}
@@ -172,6 +173,10 @@ class TransformersEngine(Engine):
         self.pad_token_id: int = _pad_id(model, tokenizer, self.eos_ids)
         # One worker thread serialises generations without a lock that a cancelled consumer could leak.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers-engine")
+        # That thread's heartbeat, for `probe`: whether it runs a generation, and how often it has
+        # emitted (a token, an error, an end). Only the thread writes them.
+        self._generating = False
+        self._emitted = 0
 
     @classmethod
     def load(
@@ -193,6 +198,15 @@ class TransformersEngine(Engine):
     async def freeze_startup_heaps(self) -> int:
         return 0  # in-process: its heap is the service's, which the service freezes itself
 
+    async def probe(self) -> None:
+        """Answered once the generation thread emits again (a token, an end), or at once while it
+        runs no generation: a generation hung on its device leaves the probe unanswered, as it
+        leaves its tokens. Not queued behind the generations on the thread: that would wait for a
+        whole generation, however slowly its client reads."""
+        emitted = self._emitted
+        while self._generating and self._emitted == emitted:
+            await asyncio.sleep(_PROBE_POLL_S)
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[GenerationDelta]:
         self._validate(request)
         loop = asyncio.get_running_loop()
@@ -200,6 +214,7 @@ class TransformersEngine(Engine):
         cancel = threading.Event()
 
         def emit(item: object) -> None:
+            self._emitted += 1
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, item)
             except RuntimeError:  # event loop closed: nobody is listening any more
@@ -217,6 +232,7 @@ class TransformersEngine(Engine):
 
     def _run(self, request: EngineRequest, emit: Emit, cancel: threading.Event) -> None:
         """Worker thread: one blocking generate, deltas pushed through emit."""
+        self._generating = True
         try:
             if cancel.is_set():  # cancelled while queued behind another generation
                 return
@@ -229,6 +245,7 @@ class TransformersEngine(Engine):
         except BaseException as exc:  # handed to the consumer, which re-raises it
             emit(exc)
         finally:
+            self._generating = False
             emit(_DONE)
 
     def _processors(self, request: EngineRequest, raw: RawLogprobs | None) -> LogitsProcessorList:

@@ -79,6 +79,11 @@ class VLLMEngine(Engine):
         # vLLM's own figure (it refuses to start when max_model_len exceeds what the model allows).
         self.max_model_len: int = engine.model_config.max_model_len
         self.eos_ids = eos_ids
+        scheduler = engine.vllm_config.scheduler_config
+        # A step computes at most vLLM's token budget, prompt chunks and decodes together; without
+        # chunked prefill a whole prompt is one step (vLLM then refuses a budget under max_model_len).
+        budget = scheduler.max_num_batched_tokens
+        self._step_tokens = budget if scheduler.enable_chunked_prefill else max(budget, self.max_model_len)
 
     @classmethod
     def load(
@@ -163,6 +168,22 @@ class VLLMEngine(Engine):
     def failure(self) -> str | None:
         # `errored`: vLLM's process monitor saw EngineCore exit, or its output handler failed.
         return ENGINE_DEAD if self.engine is None or self.engine.errored else None
+
+    @property
+    def longest_step_tokens(self) -> int:
+        return self._step_tokens
+
+    async def probe(self) -> None:
+        """A no-op on each of EngineCore's workers (vllm_worker.py), sent as vLLM's utility call
+        `collective_rpc`. EngineCore's input thread queues utility calls for its busy loop, which
+        handles them between two engine steps (vLLM's EngineCoreProc._process_input_queue), as it
+        does requests and aborts; its executor then hands the no-op to each worker, on the queue
+        that carries the workers' model steps, and EngineCore answers once every worker has. So a
+        frozen or hung EngineCore or worker leaves the probe unanswered, idle or busy. The no-op
+        touches no request, cache or scheduler state; it delays the next step by one round trip
+        to the workers (0.6 ms idle, tiny checkpoint, 2 CPU cores). vLLM's own `is_sleeping`, which
+        EngineCore answers alone, kept answering with its worker frozen."""
+        await self._live().collective_rpc("answer_probe")
 
     async def freeze_startup_heaps(self) -> int:
         """Each of EngineCore's workers freezes its heap (vllm_worker.py); EngineCore freezes its

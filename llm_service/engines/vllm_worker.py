@@ -11,6 +11,8 @@ our code runs in a worker unasked. Two things happen through it:
   worker freezes its own after warm-up; its CPU worker does not, and there a full collection
   walked torch's, vLLM's and the model's objects: 0.3 to 0.9 s during which no request in the
   engine got a token (measured on 2 CPU cores with a gc callback in the worker, tiny checkpoints).
+  And the service's engine probe ends here (VLLMEngine.probe): a worker answers it between two of
+  its model steps, so a frozen worker leaves it unanswered.
 """
 
 from __future__ import annotations
@@ -27,3 +29,6 @@ class WorkerExtension:
     def freeze_startup_heap(self) -> int:
         """Freezes this worker's heap (shared/gc_heap.py); returns how many objects it holds."""
         return freeze_startup_heap()
+
+    def answer_probe(self) -> None:
+        """Nothing: answering at all is the answer (VLLMEngine.probe)."""
