@@ -16,9 +16,10 @@ from PIL import Image
 
 from scripts.ports import free_port
 from shared.errors import Unavailable
-from shared.sdk import AsyncEncoderClient, AsyncLLMClient, EncoderClient, LLMClient, Message
+from shared.sdk import AsyncEncoderClient, AsyncLLMClient, EncoderClient, InlineEmbedding, LLMClient, Message
 from tests.encoder_process import EncoderProcess
 from tests.harness import RedisServer
+from tests.images import data_url, png_bytes
 
 pytestmark = pytest.mark.integration
 
@@ -119,3 +120,42 @@ def test_cancelling_a_call_of_a_closed_client_still_cancels(encoder: EncoderProc
         return task.cancelled()
 
     assert asyncio.run(scenario())
+
+
+# --- arguments of the wrong shape -----------------------------------------------------------
+
+
+def test_one_frame_given_as_frames_is_a_type_error(encoder: EncoderProcess) -> None:
+    """A str is iterable: each character went as a frame URL, and the encoder answered "video has
+    37894 frames; the limit is 64" for one data URL (bytes: one frame per byte, a TypeError on int)."""
+    frame = data_url(png_bytes(31))
+    with EncoderClient(encoder.target) as client:
+        with pytest.raises(TypeError, match="frames is a list of frames"):
+            client.encode_video(frame)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="frames is a list of frames"):
+            client.encode_video(png_bytes(31))  # type: ignore[arg-type]
+        assert client.encode_video([frame]).grid_thw[0] == 1
+
+
+@pytest.mark.parametrize(
+    ("messages", "message"),
+    [
+        (["hi"], "messages is a list of Message, not of str"),
+        ([Message("user", "hi")], r"Message.content is a list of parts, e.g. \['hi'\], not a str"),
+        ([Message("user", [b"hi"])], "a content part is a str, ImageKey, VideoKey or InlineEmbedding, not bytes"),
+        ([Message("user", [{"type": "text", "text": "hi"}])], "not dict"),
+    ],
+    ids=["str-message", "str-content", "bytes-part", "dict-part"],
+)
+def test_messages_of_the_wrong_shape_are_type_errors_naming_what_is_wanted(messages: list, message: str) -> None:
+    """They were AttributeErrors ("'str' object has no attribute 'to_pb'"), or a str content went
+    as one text part per character."""
+    with LLMClient(f"127.0.0.1:{free_port()}") as client:
+        with pytest.raises(TypeError, match=message):
+            list(client.generate("ft-a", messages))
+
+
+def test_an_inline_embedding_of_another_modality_is_a_value_error() -> None:
+    """A modality other than "video" went as an image."""
+    with pytest.raises(ValueError, match="'image' or 'video', not 'Video'"):
+        InlineEmbedding(b"blob", "Video")  # type: ignore[arg-type]

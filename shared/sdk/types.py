@@ -9,6 +9,7 @@ from typing import Literal
 
 import grpc
 
+from shared.errors import clip
 from shared.grpc_limits import DEFAULT_GRPC_MAX_MESSAGE_BYTES
 from shared.pb.encoder.v1 import encoder_pb2
 from shared.pb.llm.v1 import llm_pb2
@@ -143,6 +144,8 @@ def encode_request(
 
 def encode_video_request(frames: list[bytes | str], min_pixels: int, max_pixels: int) -> encoder_pb2.EncodeVideoRequest:
     """Each frame is an image file's bytes, or a data:/http(s) URL (str)."""
+    if isinstance(frames, str | bytes):  # iterable, and one frame per character or byte
+        raise TypeError(f"frames is a list of frames (image bytes or URLs), not one {type(frames).__name__}")
     request = encoder_pb2.EncodeVideoRequest(min_pixels=min_pixels, max_pixels=max_pixels)
     for frame in frames:
         if isinstance(frame, bytes):
@@ -175,6 +178,10 @@ class InlineEmbedding:
     blob: bytes
     modality: Literal["image", "video"] = "image"
 
+    def __post_init__(self) -> None:
+        if self.modality not in ("image", "video"):
+            raise ValueError(f"InlineEmbedding.modality is 'image' or 'video', not {self.modality!r}")
+
 
 @dataclass(frozen=True)
 class Message:
@@ -182,6 +189,8 @@ class Message:
     content: list[str | ImageKey | VideoKey | InlineEmbedding]
 
     def to_pb(self) -> llm_pb2.ChatMessage:
+        if isinstance(self.content, str):  # iterable: one text part per character
+            raise TypeError(f"Message.content is a list of parts, e.g. [{clip(self.content, 20)!r}], not a str")
         return llm_pb2.ChatMessage(role=self.role, content=[_part_pb(part) for part in self.content])
 
 
@@ -192,9 +201,11 @@ def _part_pb(part: str | ImageKey | VideoKey | InlineEmbedding) -> llm_pb2.Conte
         return llm_pb2.ContentPart(image=llm_pb2.ImageRef(key=part.key))
     if isinstance(part, VideoKey):
         return llm_pb2.ContentPart(video=llm_pb2.VideoRef(key=part.key))
-    if part.modality == "video":
-        return llm_pb2.ContentPart(video=llm_pb2.VideoRef(embedding_blob=part.blob))
-    return llm_pb2.ContentPart(image=llm_pb2.ImageRef(embedding_blob=part.blob))
+    if isinstance(part, InlineEmbedding):
+        if part.modality == "video":
+            return llm_pb2.ContentPart(video=llm_pb2.VideoRef(embedding_blob=part.blob))
+        return llm_pb2.ContentPart(image=llm_pb2.ImageRef(embedding_blob=part.blob))
+    raise TypeError(f"a content part is a str, ImageKey, VideoKey or InlineEmbedding, not {type(part).__name__}")
 
 
 @dataclass(frozen=True)
@@ -230,6 +241,9 @@ class Sampling:
 def generate_request(
     model: str, messages: list[Message], sampling: Sampling, request_id: str, single_chunk: bool = False
 ) -> llm_pb2.GenerateRequest:
+    for message in messages:
+        if not isinstance(message, Message):
+            raise TypeError(f"messages is a list of Message, not of {type(message).__name__}")
     return llm_pb2.GenerateRequest(
         model=model, messages=[m.to_pb() for m in messages], sampling=sampling.to_pb(), request_id=request_id,
         single_chunk=single_chunk,
