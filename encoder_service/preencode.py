@@ -10,7 +10,10 @@ per image, in input order:
     {"source", "key", "grid_thw": [t, h, w], "num_tokens", "cache_hit"}
 or, when that image failed (the run goes on):
     {"source", "error": {"code", "message"}}
-Exit status: 0 all encoded, 1 some failed, 2 usage error (no sources, unreadable list file).
+Exit status: 0 all encoded, 1 some failed (or the manifest's reader went away), 2 usage error
+(no sources, unreadable list file, a bad option) or an encoder that does not answer before the
+first image (the manifest is not touched), 130 interrupted (Ctrl-C: the manifest holds, in order,
+the images finished before; a rerun finds them stored).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import stat
 import sys
 from collections import deque
 from collections.abc import Callable
@@ -29,15 +34,20 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from shared.errors import ServiceError
+from shared.grpc_limits import DEFAULT_GRPC_MAX_MESSAGE_BYTES
 from shared.sdk import AsyncEncoderClient, EncodedMedia
+from shared.sdk.calls import call_timeout
 
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"})
 URL_PREFIXES = ("http://", "https://")
 # Not a service error code: the file never reached the encoder.
 UNREADABLE_CODE = "unreadable_file"
+# A file bigger than this cannot go in one Encode call (the SDK's message limit): it is not read.
+MAX_FILE_BYTES = DEFAULT_GRPC_MAX_MESSAGE_BYTES - 1024
+TOO_LARGE_CODE = "too_large"
 
 WINDOW_PER_SLOT = 4
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 class UsageError(Exception):
@@ -51,6 +61,7 @@ class Progress:
     bar: tqdm
     cache_hits: int = 0
     failed: int = 0
+    written: int = 0  # manifest lines, in input order
 
     def done(self, record: dict[str, Any]) -> None:
         if "error" in record:
@@ -114,6 +125,26 @@ def _success_record(source: str, image: EncodedMedia) -> dict[str, Any]:
     return {"source": source, **fields}
 
 
+class FileRefused(Exception):
+    """A path that is not read: not a regular file (a FIFO would block, /dev/zero never end), or
+    too big for one Encode call (it would be read whole, only for the call to refuse it)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def read_image_file(path: Path) -> bytes:
+    info = path.stat()
+    if not stat.S_ISREG(info.st_mode):
+        raise FileRefused(UNREADABLE_CODE, "not a regular file")
+    if info.st_size > MAX_FILE_BYTES:
+        raise FileRefused(
+            TOO_LARGE_CODE, f"file is {info.st_size} bytes; one Encode call carries at most {MAX_FILE_BYTES}"
+        )
+    return path.read_bytes()
+
+
 async def encode_one(client: AsyncEncoderClient, source: str, pixels: tuple[int, int]) -> dict[str, Any]:
     """One manifest record; every expected failure becomes an error record."""
     min_pixels, max_pixels = pixels
@@ -121,47 +152,78 @@ async def encode_one(client: AsyncEncoderClient, source: str, pixels: tuple[int,
         if source.startswith(URL_PREFIXES):
             image = await client.encode(image_url=source, min_pixels=min_pixels, max_pixels=max_pixels)
         else:
-            data = await asyncio.to_thread(Path(source).read_bytes)
+            data = await asyncio.to_thread(read_image_file, Path(source))
             image = await client.encode(image_bytes=data, min_pixels=min_pixels, max_pixels=max_pixels)
     except OSError as error:
         return _error_record(source, UNREADABLE_CODE, f"{type(error).__name__}: {error.strerror or error}")
+    except FileRefused as error:
+        return _error_record(source, error.code, error.message)
     except ServiceError as error:
         return _error_record(source, error.code, error.message)
     return _success_record(source, image)
 
 
-def _write(out: TextIO, record: dict[str, Any]) -> None:
+def _write(out: TextIO, record: dict[str, Any], progress: Progress) -> None:
     out.write(json.dumps(record) + "\n")
     out.flush()
+    progress.written += 1
 
 
-async def run(args: argparse.Namespace, sources: list[str], out: TextIO) -> int:
+async def run(args: argparse.Namespace, sources: list[str]) -> int:
     """Encodes every source with at most `args.concurrency` requests in flight."""
-    gate = asyncio.Semaphore(args.concurrency)
-    pixels = (args.min_pixels, args.max_pixels)
-    progress = Progress(tqdm(total=len(sources), unit="img", file=sys.stderr, dynamic_ncols=True))
-
     async with AsyncEncoderClient(args.encoder, timeout_s=args.timeout) as client:
-
-        async def bounded(source: str) -> dict[str, Any]:
-            async with gate:
-                record = await encode_one(client, source, pixels)
-            progress.done(record)
-            return record
-
-        # Lines are written in input order as soon as all before them are done (the
-        # manifest can be followed with `tail -f`); tasks are created at most WINDOW_PER_SLOT
-        # per slot ahead of the oldest unwritten one, so a million-image list stays cheap.
-        pending: deque[asyncio.Task[dict[str, Any]]] = deque()
-        for source in sources:
-            pending.append(asyncio.create_task(bounded(source)))
-            if len(pending) >= args.concurrency * WINDOW_PER_SLOT:
-                _write(out, await pending.popleft())
-        while pending:
-            _write(out, await pending.popleft())
+        try:  # before the manifest is opened (truncated): a wrong --encoder leaves it as it was
+            await client.stats()
+        except ServiceError as error:
+            raise UsageError(f"cannot use the encoder: {error.message}") from None
+        manifest = nullcontext(sys.stdout) if args.manifest is None else _create(args.manifest)
+        progress = Progress(tqdm(total=len(sources), unit="img", file=sys.stderr, dynamic_ncols=True))
+        try:
+            with manifest as out:
+                await _encode_all(client, args, sources, out, progress)
+        except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels this task, then raises KeyboardInterrupt
+            progress.bar.close()
+            print(
+                f"interrupted: {progress.written} of {len(sources)} images in the manifest, in input order; "
+                "a rerun finds them stored (cache hits)",
+                file=sys.stderr,
+            )
+            raise
     progress.bar.close()
     print(f"{len(sources)} images: {progress.cache_hits} cache hits, {progress.failed} failed", file=sys.stderr)
     return EXIT_FAILED if progress.failed else EXIT_OK
+
+
+async def _encode_all(
+    client: AsyncEncoderClient, args: argparse.Namespace, sources: list[str], out: TextIO, progress: Progress
+) -> None:
+    gate = asyncio.Semaphore(args.concurrency)
+    pixels = (args.min_pixels, args.max_pixels)
+
+    async def bounded(source: str) -> dict[str, Any]:
+        async with gate:
+            record = await encode_one(client, source, pixels)
+        progress.done(record)
+        return record
+
+    # Lines are written in input order as soon as all before them are done (the
+    # manifest can be followed with `tail -f`); tasks are created at most WINDOW_PER_SLOT
+    # per slot ahead of the oldest unwritten one, so a million-image list stays cheap.
+    pending: deque[asyncio.Task[dict[str, Any]]] = deque()
+    for source in sources:
+        pending.append(asyncio.create_task(bounded(source)))
+        if len(pending) >= args.concurrency * WINDOW_PER_SLOT:
+            _write(out, await pending.popleft(), progress)
+    while pending:
+        _write(out, await pending.popleft(), progress)
+
+
+def _seconds(text: str) -> float | None:
+    """--timeout, as the SDK reads a timeout (shared.sdk.calls.call_timeout)."""
+    try:
+        return call_timeout(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds (got {text!r})") from None
 
 
 def _at_least(low: int) -> Callable[[str], int]:
@@ -181,7 +243,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--manifest", type=Path, help="JSONL output file (default: stdout)")
     parser.add_argument("--min-pixels", type=_at_least(0), default=0, help="resize floor (0 = the encoder's default)")
     parser.add_argument("--max-pixels", type=_at_least(0), default=0, help="resize ceiling (0 = the encoder's default)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per Encode call")
+    parser.add_argument("--timeout", type=_seconds, default=120.0, help="seconds per Encode call (inf: no limit)")
     parser.add_argument("sources", nargs="*", metavar="SOURCE", help="image file, folder, http(s) URL or @list.txt")
     return parser.parse_args(argv)
 
@@ -192,12 +254,17 @@ def main(argv: list[str] | None = None) -> int:
         sources = expand_sources(args.sources)
         if not sources:
             raise UsageError("no images to encode (give files, folders, URLs or @list.txt)")
-        manifest = nullcontext(sys.stdout) if args.manifest is None else _create(args.manifest)
+        return asyncio.run(run(args, sources))
     except UsageError as error:
         print(f"preencode: error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    with manifest as out:
-        return asyncio.run(run(args, sources, out))
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `preencode ... | head`: the reader has what it wanted
+        # Python flushes stdout again at exit, into the same broken pipe; send that nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print("preencode: the manifest's reader went away (broken pipe); stopped", file=sys.stderr)
+        return EXIT_FAILED
 
 
 def _create(path: Path) -> TextIO:
