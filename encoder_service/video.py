@@ -44,16 +44,16 @@ def resized_frames(frames: Iterable[Image.Image], factor: int, min_pixels: int, 
     holding them all decoded (a 64-frame request of a few MB could ask for 12 GB) is what the
     decoded-pixel limit exists to prevent."""
     resized: list[Image.Image] = []
-    first: tuple[int, int] | None = None
-    target = (0, 0)
+    first, target = (0, 0), (0, 0)
     for index, frame in enumerate(frames):
-        if first is None:
+        if index == 0:
             first = frame.size
+        check_frame_size(frame, index, first)  # before smart_resize, which raises ValueError on a bad shape
+        if index == 0:
             target = target_size(frame.height, frame.width, factor, min_pixels, max_pixels)
-        check_frame_size(frame, index, first)
         resized.append(resize_like_autoprocessor(frame, *target))  # as for images
         del frame  # the decoded frame goes before the next one is decoded
-    if first is None:
+    if not resized:
         raise InvalidInput("a video needs at least one frame", param="frames")
     return resized
 
