@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from shared.errors import ServiceError
 from shared.grpc_limits import DEFAULT_GRPC_MAX_MESSAGE_BYTES
-from shared.sdk import AsyncEncoderClient, EncodedMedia
+from shared.sdk import AsyncEncoderClient, ChannelConfig, EncodedMedia
 from shared.sdk.calls import call_timeout
 
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"})
@@ -171,7 +171,8 @@ def _write(out: TextIO, record: dict[str, Any], progress: Progress) -> None:
 
 async def run(args: argparse.Namespace, sources: list[str]) -> int:
     """Encodes every source with at most `args.concurrency` requests in flight."""
-    async with AsyncEncoderClient(args.encoder, timeout_s=args.timeout) as client:
+    config = ChannelConfig(token=args.token_file, tls_root_certs=args.tls_ca)
+    async with AsyncEncoderClient(args.encoder, timeout_s=args.timeout, config=config) as client:
         try:  # before the manifest is opened (truncated): a wrong --encoder leaves it as it was
             await client.stats()
         except ServiceError as error:
@@ -226,6 +227,24 @@ def _seconds(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds (got {text!r})") from None
 
 
+def _file_bytes(text: str) -> bytes:
+    try:
+        return Path(text).read_bytes()
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {error.strerror or error}") from None
+
+
+def _token(text: str) -> str:
+    """The token in a file, without the line end an editor or `echo` leaves after it."""
+    try:
+        token = _file_bytes(text).decode().strip()
+    except UnicodeDecodeError:
+        raise argparse.ArgumentTypeError(f"{text} does not hold a text token") from None
+    if not token:
+        raise argparse.ArgumentTypeError(f"{text} is empty")
+    return token
+
+
 def _at_least(low: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = int(text)
@@ -244,6 +263,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--min-pixels", type=_at_least(0), default=0, help="resize floor (0 = the encoder's default)")
     parser.add_argument("--max-pixels", type=_at_least(0), default=0, help="resize ceiling (0 = the encoder's default)")
     parser.add_argument("--timeout", type=_seconds, default=120.0, help="seconds per Encode call (inf: no limit)")
+    parser.add_argument(
+        "--token-file", type=_token, metavar="PATH", help="file holding the encoder's gRPC token (ENCODER_GRPC_TOKEN)"
+    )
+    parser.add_argument(
+        "--tls-ca", type=_file_bytes, metavar="PATH", help="PEM roots that sign the encoder's TLS certificate"
+    )
     parser.add_argument("sources", nargs="*", metavar="SOURCE", help="image file, folder, http(s) URL or @list.txt")
     return parser.parse_args(argv)
 

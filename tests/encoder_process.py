@@ -20,8 +20,11 @@ REPO = Path(__file__).resolve().parent.parent
 class EncoderProcess:
     """`python -m encoder_service` on a free port; `env` adds ENCODER_* settings."""
 
-    def __init__(self, checkpoint: Path, redis_url: str, log_path: Path, **env: str) -> None:
+    def __init__(
+        self, checkpoint: Path, redis_url: str, log_path: Path, tls_root_certs: bytes | None = None, **env: str
+    ) -> None:
         self.port = free_port()
+        self.tls_root_certs = tls_root_certs  # set when env has it serve TLS: health is asked over TLS
         self.log_path = log_path
         self.env = {
             **os.environ,
@@ -53,7 +56,11 @@ class EncoderProcess:
             time.sleep(0.2)
 
     def health(self) -> str:
-        with grpc.insecure_channel(self.target) as channel:
+        if self.tls_root_certs is None:
+            channel = grpc.insecure_channel(self.target)
+        else:
+            channel = grpc.secure_channel(self.target, grpc.ssl_channel_credentials(self.tls_root_certs))
+        with channel:
             try:
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
             except grpc.RpcError as error:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -132,3 +133,45 @@ def test_a_reader_that_goes_away_stops_the_run_with_one_line(encoder: EncoderPro
     assert process.wait(timeout=60) == 1
     assert "Traceback" not in stderr
     assert "preencode: the manifest's reader went away (broken pipe); stopped" in stderr
+
+
+@pytest.fixture(scope="module")
+def secured_encoder(
+    checkpoints: dict[str, Path], redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[EncoderProcess, Path, Path]]:
+    """An encoder as deploy/ runs one: a token (ENCODER_GRPC_TOKEN), and here TLS too."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    folder = tmp_path_factory.mktemp("secured")
+    cert, key, token = folder / "cert.pem", folder / "key.pem", folder / "token"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    token.write_text("s3cret-token\n")  # as `echo s3cret-token > token` writes it
+    env = {"ENCODER_GRPC_TOKEN": "s3cret-token", "ENCODER_GRPC_TLS_CERT_FILE": str(cert)}
+    process = EncoderProcess(
+        checkpoints["base"], redis_server.url, folder / "encoder.log", cert.read_bytes(),
+        ENCODER_GRPC_TLS_KEY_FILE=str(key), **env,
+    )  # fmt: skip
+    process.start()
+    yield process, token, cert
+    process.kill()
+
+
+def test_an_encoder_with_a_token_and_tls_is_reachable(
+    secured_encoder: tuple[EncoderProcess, Path, Path], tmp_path: Path
+) -> None:
+    """Every deployment in deploy/ sets ENCODER_GRPC_TOKEN, and the CLI had no way to send one:
+    each image failed unauthenticated."""
+    encoder, token, cert = secured_encoder
+    image = tmp_path / "a.png"
+    image.write_bytes(png_bytes(97_001))
+    run = preencode("--encoder", encoder.target, "--token-file", str(token), "--tls-ca", str(cert), str(image))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert lines(run.stdout)[0]["num_tokens"] > 0
+    no_token = preencode("--encoder", encoder.target, "--tls-ca", str(cert), str(image))
+    assert no_token.returncode == 2 and "missing or invalid gRPC token" in no_token.stderr
+    unreadable = preencode("--encoder", encoder.target, "--token-file", str(tmp_path / "none"), str(image))
+    assert unreadable.returncode == 2 and "argument --token-file: cannot read" in unreadable.stderr
