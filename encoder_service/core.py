@@ -98,9 +98,7 @@ class EncoderCore:
             raise InvalidInput(
                 f"video has {len(frames)} frames; the limit is {self.limits.max_video_frames}", param="frames"
             )
-        frame_bytes = await asyncio.gather(
-            *(self._image_bytes(frame, f"frames[{i}]") for i, frame in enumerate(frames))
-        )
+        frame_bytes = await self._frames_bytes(frames)
         min_px, max_px = self.limits.video_pixels.bounds(min_pixels, max_pixels)
         key = video_key(self.encoder_id, frame_bytes, min_px, max_px, dtype=blob_dtype(self.vision.dtype))
         tracing.annotate({tracing.MEDIA_KEY: key})
@@ -143,6 +141,17 @@ class EncoderCore:
         # where="key": the error names the request's field (param), not the whole key.
         await asyncio.to_thread(decode_blob, data, self.rules, "key")
         return data
+
+    async def _frames_bytes(self, frames: list[MediaSource]) -> list[bytes]:
+        """Every frame's bytes, fetched together. When one fails the others are cancelled: left
+        to run, they went on fetching (up to the fetch deadline each) after the call had failed,
+        outside every limit on calls in flight."""
+        fetches = [asyncio.ensure_future(self._image_bytes(frame, f"frames[{i}]")) for i, frame in enumerate(frames)]
+        try:
+            return await asyncio.gather(*fetches)
+        finally:
+            for fetch in fetches:
+                fetch.cancel()
 
     async def _image_bytes(self, source: MediaSource, frame: str | None = None) -> bytes:
         """The image file's bytes; errors name `frame` (frames[i]) when the image is a video frame."""

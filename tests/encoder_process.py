@@ -43,17 +43,25 @@ class EncoderProcess:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 120) -> None:
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "encoder_service"], cwd=REPO, env=self.env, stdout=log, stderr=log
-            )
-        deadline = time.monotonic() + timeout_s
-        while self.health() != "SERVING":
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"encoder did not start:\n{self.log_path.read_text()[-3000:]}")
-            time.sleep(0.2)
+    def start(self, timeout_s: float = 180) -> None:
+        """Starts the process and waits for SERVING. A process that exits while starting is
+        started again on another port (another process may have taken the free port meanwhile)."""
+        for _ in range(3):
+            with self.log_path.open("ab") as log:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "encoder_service"], cwd=REPO, env=self.env, stdout=log, stderr=log
+                )
+            deadline = time.monotonic() + timeout_s
+            while self.process.poll() is None and time.monotonic() < deadline:
+                if self.health() == "SERVING":
+                    return
+                time.sleep(0.2)
+            if self.process.poll() is None:  # neither serving nor gone: a real failure
+                break
+            self.port = free_port()
+            self.env["ENCODER_PORT"] = str(self.port)
+        self.kill()
+        raise RuntimeError(f"encoder did not start:\n{self.log_path.read_text()[-3000:]}")
 
     def health(self) -> str:
         if self.tls_root_certs is None:
