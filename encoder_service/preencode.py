@@ -171,7 +171,7 @@ def _write(out: TextIO, record: dict[str, Any], progress: Progress) -> None:
 
 async def run(args: argparse.Namespace, sources: list[str]) -> int:
     """Encodes every source with at most `args.concurrency` requests in flight."""
-    config = ChannelConfig(token=args.token_file, tls_root_certs=args.tls_ca)
+    config = ChannelConfig(token=args.token, tls_root_certs=args.tls_ca)
     async with AsyncEncoderClient(args.encoder, timeout_s=args.timeout, config=config) as client:
         try:  # before the manifest is opened (truncated): a wrong --encoder leaves it as it was
             await client.stats()
@@ -264,7 +264,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-pixels", type=_at_least(0), default=0, help="resize ceiling (0 = the encoder's default)")
     parser.add_argument("--timeout", type=_seconds, default=120.0, help="seconds per Encode call (inf: no limit)")
     parser.add_argument(
-        "--token-file", type=_token, metavar="PATH", help="file holding the encoder's gRPC token (ENCODER_GRPC_TOKEN)"
+        "--token-file",
+        type=_token,
+        dest="token",
+        metavar="PATH",
+        help="file holding the encoder's gRPC token (ENCODER_GRPC_TOKEN)",
     )
     parser.add_argument(
         "--tls-ca", type=_file_bytes, metavar="PATH", help="PEM roots that sign the encoder's TLS certificate"
