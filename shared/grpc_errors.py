@@ -17,7 +17,15 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from shared.errors import EmbeddingNotFound, Internal, InvalidInput, ServiceError, Unavailable, error_class_for
+from shared.errors import (
+    DeadlineExceeded,
+    EmbeddingNotFound,
+    Internal,
+    InvalidInput,
+    ServiceError,
+    Unavailable,
+    error_class_for,
+)
 from shared.grpc_wrap import Deserializer, WrappingInterceptor
 
 logger = logging.getLogger(__name__)
@@ -149,6 +157,8 @@ def error_from_rpc(error: grpc.RpcError, target: str = "backend") -> ServiceErro
     # Like a lost connection, that is a 503 the client may retry, not a server bug.
     if code is None and status in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return Unavailable(f"{target} is unavailable: {details}")
+    if code is None and status == grpc.StatusCode.DEADLINE_EXCEEDED:  # the caller's deadline passed
+        return DeadlineExceeded(f"{target} did not answer within the call's deadline: {details}")
     cls = error_class_for(status, code)
     if cls is EmbeddingNotFound:
         keys = (_metadata_value(metadata, MISSING_KEYS_KEY) or "").split(",")

@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from scripts.ports import free_port
-from shared.errors import Unavailable
+from shared.errors import DeadlineExceeded, Unavailable
 from shared.sdk import AsyncEncoderClient, AsyncLLMClient, EncoderClient, InlineEmbedding, LLMClient, Message
 from tests.encoder_process import EncoderProcess
 from tests.harness import RedisServer
@@ -49,6 +49,13 @@ def test_a_timeout_too_long_for_grpc_means_no_deadline(encoder: EncoderProcess, 
             return (await client.stats()).encoder_id
 
     assert asyncio.run(async_stats())
+
+
+def test_a_deadline_that_passes_names_the_service_that_did_not_answer(encoder: EncoderProcess) -> None:
+    """It said only "Deadline Exceeded": which of a pipeline's services was slow, it did not say."""
+    with EncoderClient(encoder.target, timeout_s=1e-6) as client, pytest.raises(DeadlineExceeded) as raised:
+        client.encode(image_bytes=png_bytes(4242))
+    assert encoder.target in str(raised.value) and "deadline" in str(raised.value)
 
 
 @pytest.mark.parametrize("timeout_s", [0, -1, math.nan])
