@@ -22,6 +22,7 @@ from openai import OpenAI
 
 from gateway.app import create_app
 from shared.grpc_metrics import serve_metrics
+from tests.encoder_process import EncoderProcess, running_encoder
 from tests.harness import (
     BackgroundLoop,
     RedisServer,
@@ -79,6 +80,17 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def lone_encoder(
+    checkpoints: dict[str, Path], redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EncoderProcess]:
+    """An encoder service of the module's own, as a process (tests/encoder_process.py)."""
+    with running_encoder(
+        checkpoints["base"], redis_server.url, tmp_path_factory.mktemp("enc") / "encoder.log"
+    ) as process:
+        yield process
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -87,3 +89,14 @@ class EncoderProcess:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=30)
+
+
+@contextmanager
+def running_encoder(checkpoint: Path, redis_url: str, log_path: Path) -> Iterator[EncoderProcess]:
+    """An encoder process with default settings, started for the block and killed after it."""
+    process = EncoderProcess(checkpoint, redis_url, log_path)
+    process.start()
+    try:
+        yield process
+    finally:
+        process.kill()

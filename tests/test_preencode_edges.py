@@ -28,16 +28,6 @@ COMMAND = [sys.executable, "-m", "encoder_service.preencode"]
 
 
 @pytest.fixture(scope="module")
-def encoder(
-    checkpoints: dict[str, Path], redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EncoderProcess]:
-    process = EncoderProcess(checkpoints["base"], redis_server.url, tmp_path_factory.mktemp("enc") / "encoder.log")
-    process.start()
-    yield process
-    process.kill()
-
-
-@pytest.fixture(scope="module")
 def many_images(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """300 images no other test encodes: at one call at a time, seconds of work."""
     folder = tmp_path_factory.mktemp("many")
@@ -75,7 +65,7 @@ def test_an_encoder_that_does_not_answer_is_a_usage_error_and_leaves_the_manifes
     assert manifest.read_text() == "the last run's manifest\n"
 
 
-def test_paths_that_are_not_files_fail_without_being_read(encoder: EncoderProcess, tmp_path: Path) -> None:
+def test_paths_that_are_not_files_fail_without_being_read(lone_encoder: EncoderProcess, tmp_path: Path) -> None:
     """A FIFO blocked the run forever, and a huge file was read whole before the SDK refused to send
     it (/dev/zero, not tried here, was read until the kernel killed the process at 16 GB)."""
     fifo, huge, good = tmp_path / "pipe.png", tmp_path / "huge.png", tmp_path / "good.png"
@@ -83,7 +73,7 @@ def test_paths_that_are_not_files_fail_without_being_read(encoder: EncoderProces
     with huge.open("wb") as file:
         file.truncate(100_000_000)  # sparse: no disk used
     good.write_bytes(png_bytes(96_999))
-    run = preencode("--encoder", encoder.target, str(fifo), str(huge), str(good), timeout=60)
+    run = preencode("--encoder", lone_encoder.target, str(fifo), str(huge), str(good), timeout=60)
     assert run.returncode == 1, run.stderr[-2000:]
     records = lines(run.stdout)
     assert [r.get("error", {}).get("code") for r in records] == [
@@ -97,10 +87,10 @@ def test_paths_that_are_not_files_fail_without_being_read(encoder: EncoderProces
 
 
 def test_ctrl_c_reports_what_the_manifest_holds_and_exits_130(
-    encoder: EncoderProcess, many_images: Path, tmp_path: Path
+    lone_encoder: EncoderProcess, many_images: Path, tmp_path: Path
 ) -> None:
     manifest = tmp_path / "out.jsonl"
-    args = ["--encoder", encoder.target, "--concurrency", "1", "--manifest", str(manifest), str(many_images)]
+    args = ["--encoder", lone_encoder.target, "--concurrency", "1", "--manifest", str(manifest), str(many_images)]
     process = subprocess.Popen([*COMMAND, *args], cwd=REPO, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not manifest.exists() or len(manifest.read_text().splitlines()) < 3:
@@ -116,11 +106,11 @@ def test_ctrl_c_reports_what_the_manifest_holds_and_exits_130(
     assert [r["source"] for r in records] == [str(many_images / f"img{i:03d}.png") for i in range(len(records))]
 
 
-def test_a_reader_that_goes_away_stops_the_run_with_one_line(encoder: EncoderProcess, many_images: Path) -> None:
+def test_a_reader_that_goes_away_stops_the_run_with_one_line(lone_encoder: EncoderProcess, many_images: Path) -> None:
     """`preencode ... | head -1`: a BrokenPipeError traceback. The folder five times: more lines
     than a pipe's buffer holds, so the run is still writing when the reader leaves."""
     process = subprocess.Popen(
-        [*COMMAND, "--encoder", encoder.target, *[str(many_images)] * 5],
+        [*COMMAND, "--encoder", lone_encoder.target, *[str(many_images)] * 5],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -8,7 +8,6 @@ import asyncio
 import io
 import math
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,44 +17,33 @@ from scripts.ports import free_port
 from shared.errors import DeadlineExceeded, Unavailable
 from shared.sdk import AsyncEncoderClient, AsyncLLMClient, EncoderClient, InlineEmbedding, LLMClient, Message
 from tests.encoder_process import EncoderProcess
-from tests.harness import RedisServer
 from tests.images import data_url, png_bytes
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def encoder(
-    checkpoints: dict[str, Path], redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EncoderProcess]:
-    process = EncoderProcess(checkpoints["base"], redis_server.url, tmp_path_factory.mktemp("enc") / "encoder.log")
-    process.start()
-    yield process
-    process.kill()
 
 
 # --- timeouts -------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("timeout_s", [math.inf, 1e12, None], ids=["inf", "1e12", "none"])
-def test_a_timeout_too_long_for_grpc_means_no_deadline(encoder: EncoderProcess, timeout_s: float | None) -> None:
+def test_a_timeout_too_long_for_grpc_means_no_deadline(lone_encoder: EncoderProcess, timeout_s: float | None) -> None:
     """gRPC ends a call at once (DEADLINE_EXCEEDED, "Deadline Exceeded") when its timeout is past
     ~1e9 s; inf, the natural way to ask for no deadline, failed every call so."""
-    with EncoderClient(encoder.target, timeout_s=timeout_s) as client:
+    with EncoderClient(lone_encoder.target, timeout_s=timeout_s) as client:
         assert client.stats().encoder_id
 
     async def async_stats() -> str:
-        async with AsyncEncoderClient(encoder.target, timeout_s=timeout_s) as client:
+        async with AsyncEncoderClient(lone_encoder.target, timeout_s=timeout_s) as client:
             return (await client.stats()).encoder_id
 
     assert asyncio.run(async_stats())
 
 
-def test_a_deadline_that_passes_names_the_service_that_did_not_answer(encoder: EncoderProcess) -> None:
+def test_a_deadline_that_passes_names_the_service_that_did_not_answer(lone_encoder: EncoderProcess) -> None:
     """It said only "Deadline Exceeded": which of a pipeline's services was slow, it did not say."""
-    with EncoderClient(encoder.target, timeout_s=1e-6) as client, pytest.raises(DeadlineExceeded) as raised:
+    with EncoderClient(lone_encoder.target, timeout_s=1e-6) as client, pytest.raises(DeadlineExceeded) as raised:
         client.encode(image_bytes=png_bytes(4242))
-    assert encoder.target in str(raised.value) and "deadline" in str(raised.value)
+    assert lone_encoder.target in str(raised.value) and "deadline" in str(raised.value)
 
 
 @pytest.mark.parametrize("timeout_s", [0, -1, math.nan])
@@ -93,14 +81,14 @@ def _slow_video() -> list[bytes]:
     return frames
 
 
-def test_an_async_client_closed_under_a_call_fails_it_unavailable(encoder: EncoderProcess) -> None:
+def test_an_async_client_closed_under_a_call_fails_it_unavailable(lone_encoder: EncoderProcess) -> None:
     """grpc.aio ends the calls of a closed channel with asyncio.CancelledError in tasks nobody
     cancelled: `except ServiceError` missed it and the caller's task ended as if cancelled. The
     blocking client, and a multiplexed generate, answer Unavailable "the client was closed"."""
     frames = _slow_video()
 
     async def scenario() -> tuple[BaseException | None, bool]:
-        client = AsyncEncoderClient(encoder.target, timeout_s=120)
+        client = AsyncEncoderClient(lone_encoder.target, timeout_s=120)
         task = asyncio.create_task(client.encode_video(frames))
         await asyncio.sleep(0.5)
         assert not task.done(), "the call should still be under way"
@@ -111,14 +99,14 @@ def test_an_async_client_closed_under_a_call_fails_it_unavailable(encoder: Encod
     error, cancelled = asyncio.run(scenario())
     assert not cancelled
     assert isinstance(error, Unavailable), repr(error)
-    assert str(error) == f"encoder at {encoder.target} is unavailable: the client was closed"
+    assert str(error) == f"encoder at {lone_encoder.target} is unavailable: the client was closed"
 
 
-def test_cancelling_a_call_of_a_closed_client_still_cancels(encoder: EncoderProcess) -> None:
+def test_cancelling_a_call_of_a_closed_client_still_cancels(lone_encoder: EncoderProcess) -> None:
     frames = _slow_video()
 
     async def scenario() -> bool:
-        client = AsyncEncoderClient(encoder.target, timeout_s=120)
+        client = AsyncEncoderClient(lone_encoder.target, timeout_s=120)
         task = asyncio.create_task(client.encode_video(frames))
         await asyncio.sleep(0.5)
         task.cancel()
@@ -132,11 +120,11 @@ def test_cancelling_a_call_of_a_closed_client_still_cancels(encoder: EncoderProc
 # --- arguments of the wrong shape -----------------------------------------------------------
 
 
-def test_one_frame_given_as_frames_is_a_type_error(encoder: EncoderProcess) -> None:
+def test_one_frame_given_as_frames_is_a_type_error(lone_encoder: EncoderProcess) -> None:
     """A str is iterable: each character went as a frame URL, and the encoder answered "video has
     37894 frames; the limit is 64" for one data URL (bytes: one frame per byte, a TypeError on int)."""
     frame = data_url(png_bytes(31))
-    with EncoderClient(encoder.target) as client:
+    with EncoderClient(lone_encoder.target) as client:
         with pytest.raises(TypeError, match="frames is a list of frames"):
             client.encode_video(frame)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="frames is a list of frames"):
