@@ -168,7 +168,8 @@ async def _inline(
     with failing_as(model_subject(request.model)):
         encoder_ids = (await backends.model_info(request.model)).accepted_encoder_ids
     assert part.embeds is not None and part.grid_thw is not None  # checked by the schema
-    blob = inline_blob(part.embeds, part.grid_thw, encoder_ids[0], param, part.modality)
+    # Its faults name the field that holds the rows, as those the LLM service finds do (_llm_param).
+    blob = inline_blob(part.embeds, part.grid_thw, encoder_ids[0], f"{param}.{_media_field(part)}", part.modality)
     return InlineEmbedding(blob, part.modality)
 
 

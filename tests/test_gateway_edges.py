@@ -105,7 +105,7 @@ def _inline_part(payload: bytes) -> dict[str, Any]:
 def test_a_hostile_npy_header_is_400_naming_the_part(strict_gateway: str, payload: bytes) -> None:
     body = chat_body(content=[_inline_part(payload), {"type": "text", "text": "hi"}])
     response = httpx.post(f"{strict_gateway}/v1/chat/completions", json=body, headers=KEY, timeout=60)
-    assert_openai_error(response, 400, param="messages[0].content[0]")
+    assert_openai_error(response, 400, param="messages[0].content[0].image_embeds")
 
 
 def test_a_safetensors_header_declaring_more_than_sent_is_400(strict_gateway: str) -> None:
@@ -113,7 +113,7 @@ def test_a_safetensors_header_declaring_more_than_sent_is_400(strict_gateway: st
     payload = struct.pack("<Q", len(header)) + header + b"\0" * 16
     body = chat_body(content=[_inline_part(payload), {"type": "text", "text": "hi"}])
     response = httpx.post(f"{strict_gateway}/v1/chat/completions", json=body, headers=KEY, timeout=60)
-    assert_openai_error(response, 400, param="messages[0].content[0]")
+    assert_openai_error(response, 400, param="messages[0].content[0].image_embeds")
 
 
 def test_a_fortran_order_npy_answers_like_the_c_order_one(strict_gateway: str, stack: Stack) -> None:
