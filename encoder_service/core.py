@@ -17,7 +17,7 @@ import torch
 from encoder_service import metrics
 from encoder_service.batcher import LanedBatcher, MicroBatcher
 from encoder_service.blob_arrays import blob_dtype, blob_from_tensors
-from encoder_service.fetch import FetchPolicy, fetch_image
+from encoder_service.fetch import ByteBudget, FetchPolicy, fetch_image
 from encoder_service.images import decode_data_url, is_data_url, load_image
 from encoder_service.metrics import EncoderCounters
 from encoder_service.resize import PixelPolicy
@@ -60,6 +60,7 @@ class EncoderLimits:
     image_pixels: PixelPolicy
     video_pixels: PixelPolicy  # per frame
     max_video_frames: int = 64
+    max_video_bytes: int = 64 * 1024 * 1024  # a video's frames together (ByteBudget)
 
 
 @dataclass
@@ -146,31 +147,39 @@ class EncoderCore:
         """Every frame's bytes, fetched together. When one fails the others are cancelled: left
         to run, they went on fetching (up to the fetch deadline each) after the call had failed,
         outside every limit on calls in flight."""
-        fetches = [asyncio.ensure_future(self._image_bytes(frame, f"frames[{i}]")) for i, frame in enumerate(frames)]
+        budget = ByteBudget(self.limits.max_video_bytes, "ENCODER_MAX_VIDEO_BYTES")
+        fetches = [
+            asyncio.ensure_future(self._image_bytes(frame, f"frames[{i}]", budget)) for i, frame in enumerate(frames)
+        ]
         try:
             return await asyncio.gather(*fetches)
         finally:
             for fetch in fetches:
                 fetch.cancel()
 
-    async def _image_bytes(self, source: MediaSource, frame: str | None = None) -> bytes:
-        """The image file's bytes; errors name `frame` (frames[i]) when the image is a video frame."""
+    async def _image_bytes(
+        self, source: MediaSource, frame: str | None = None, budget: ByteBudget | None = None
+    ) -> bytes:
+        """The image file's bytes; errors name `frame` (frames[i]) when the image is a video frame,
+        whose bytes are charged to the video's `budget`."""
+        param = frame or "image_url"
         if source.data is not None and source.url is None:
             data = source.data
+        elif source.url is not None and source.data is None and is_data_url(source.url):
+            data = decode_data_url(source.url, self.limits.max_image_bytes, param)
         elif source.url is not None and source.data is None:
-            data = await self._url_bytes(source.url, frame or "image_url")
+            # Charged as its bytes arrive: the download stops once the frames hold too much.
+            data = await fetch_image(source.url, self.limits.fetch, param, budget)
+            budget = None
         else:
             raise InvalidInput("exactly one of image_bytes or image_url must be set", param=frame or "source")
+        if budget is not None:
+            budget.take(len(data))
         if len(data) > self.limits.max_image_bytes:
             raise TooLarge(
                 f"image is {len(data)} bytes, over the limit of {self.limits.max_image_bytes}", param=frame or "image"
             )
         return data
-
-    async def _url_bytes(self, url: str, param: str) -> bytes:
-        if is_data_url(url):
-            return decode_data_url(url, self.limits.max_image_bytes, param)
-        return await fetch_image(url, self.limits.fetch, param)
 
     async def _encode_or_reuse(
         self, key: str, modality: Modality, preprocess: Callable[[], Preprocessed]

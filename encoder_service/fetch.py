@@ -52,19 +52,42 @@ class FetchPolicy:
         return not self.allowed_domains or any(host == d or host.endswith("." + d) for d in self.allowed_domains)
 
 
-async def fetch_image(url: str, policy: FetchPolicy, param: str = "image_url") -> bytes:
-    """The bytes at `url`, following at most MAX_REDIRECTS checked redirects, within policy.timeout_s."""
+class ByteBudget:
+    """Bytes that the images of one call may hold together, charged as they arrive.
+
+    Each image is bounded by its own limit, but a video's frames are fetched at once: 64 frames
+    within 20 MiB each could hold 1.3 GB of downloads for one call. Frames sent as bytes are
+    charged too, so the rule is the same whatever the frames' form."""
+
+    def __init__(self, limit: int, setting: str) -> None:
+        self.limit = limit
+        self.setting = setting  # what sets the limit, for the error
+        self.used = 0
+
+    def take(self, count: int) -> None:
+        self.used += count
+        if self.used > self.limit:
+            raise TooLarge(
+                f"the video's frames exceed {self.limit} bytes together (the limit, {self.setting})", param="frames"
+            )
+
+
+async def fetch_image(
+    url: str, policy: FetchPolicy, param: str = "image_url", budget: ByteBudget | None = None
+) -> bytes:
+    """The bytes at `url`, following at most MAX_REDIRECTS checked redirects, within policy.timeout_s;
+    the body's bytes are charged to `budget` as they arrive."""
     try:
         async with asyncio.timeout(policy.timeout_s):
-            return await _follow(_parse(url, param), policy, param)
+            return await _follow(_parse(url, param), policy, param, budget)
     except TimeoutError:
         raise ImageFetchFailed(f"image URL did not answer within {policy.timeout_s}s", param=param) from None
 
 
-async def _follow(url: httpx.URL, policy: FetchPolicy, param: str) -> bytes:
+async def _follow(url: httpx.URL, policy: FetchPolicy, param: str, budget: ByteBudget | None) -> bytes:
     for _ in range(MAX_REDIRECTS + 1):
         addresses = await _checked_addresses(url, policy, param)
-        body, location = await _get(url, addresses, policy.max_bytes, param)
+        body, location = await _get(url, addresses, policy.max_bytes, param, budget)
         if location is None:
             return body
         url = _parse(location, param, base=url)
@@ -99,7 +122,9 @@ async def _checked_addresses(url: httpx.URL, policy: FetchPolicy, param: str) ->
     return addresses
 
 
-async def _get(url: httpx.URL, addresses: list[str], max_bytes: int, param: str) -> tuple[bytes, str | None]:
+async def _get(
+    url: httpx.URL, addresses: list[str], max_bytes: int, param: str, budget: ByteBudget | None
+) -> tuple[bytes, str | None]:
     """One GET to the pinned `addresses`: (body, None), or (b"", the Location of a redirect)."""
     target = httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=_port(url), target=url.raw_path)
     headers = [(b"Host", url.netloc), (b"Accept", b"*/*"), (b"User-Agent", b"vlm-encode-once")]
@@ -112,7 +137,7 @@ async def _get(url: httpx.URL, addresses: list[str], max_bytes: int, param: str)
                     return b"", location
                 if response.status != 200:
                     raise ImageFetchFailed(f"image URL answered HTTP {response.status}", param=param)
-                return await _read_capped(response, max_bytes, param), None
+                return await _read_capped(response, max_bytes, param, budget), None
     except _TRANSPORT_ERRORS as error:
         raise ImageFetchFailed(f"image URL could not be fetched: {type(error).__name__}", param=param) from None
 
@@ -142,13 +167,15 @@ def _header(response: httpcore.Response, name: bytes) -> str | None:
     return None
 
 
-async def _read_capped(response: httpcore.Response, max_bytes: int, param: str) -> bytes:
+async def _read_capped(response: httpcore.Response, max_bytes: int, param: str, budget: ByteBudget | None) -> bytes:
     declared = _header(response, b"content-length")
     if declared and declared.isdigit() and int(declared) > max_bytes:
         raise TooLarge(f"image at URL is {declared} bytes, over the limit of {max_bytes}", param=param)
     body = bytearray()
     async for chunk in response.aiter_stream():
         body.extend(chunk)
+        if budget is not None:
+            budget.take(len(chunk))
         if len(body) > max_bytes:
             raise TooLarge(f"image at URL exceeds the limit of {max_bytes} bytes", param=param)
     return bytes(body)

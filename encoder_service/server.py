@@ -93,6 +93,7 @@ def _limits(settings: EncoderSettings, vision: VisionEncoder) -> EncoderLimits:
         max_image_bytes=settings.max_image_bytes,
         max_decoded_pixels=settings.max_decoded_pixels,
         max_video_frames=settings.max_video_frames,
+        max_video_bytes=settings.max_video_bytes,
         image_pixels=PixelPolicy(
             vision.default_min_pixels,
             vision.default_max_pixels,

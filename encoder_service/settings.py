@@ -57,6 +57,12 @@ class EncoderSettings(StoreSettings, GrpcServerSettings):
         description="Hosts (and their subdomains) images may be fetched from (JSON list); empty = any.",
     )
     max_video_frames: int = Field(64, ge=1, description="Most frames in one video.")
+    max_video_bytes: int = Field(
+        64 * 1024 * 1024,
+        gt=0,
+        description="Most bytes of image files one video's frames hold together, sent or fetched (a fetch is "
+        "charged as its bytes arrive), so a video of URLs cannot hold max_video_frames x max_image_bytes.",
+    )
     video_min_pixels: int = Field(
         128 * 28 * 28, gt=0, description="Default lower bound on a video frame's resized pixel count."
     )
