@@ -116,11 +116,13 @@ def _llm_param(request: ChatCompletionRequest, llm_param: str | None) -> str | N
     (messages[0].content[1].image.key) and max_tokens is the proto's name for either token limit."""
     if llm_param == "max_tokens":
         return "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-    at = re.match(r"messages\[(\d+)\]\.content\[(\d+)\]\.(image|video)\b", llm_param or "")
+    at = re.match(r"messages\[(\d+)\]\.content\[(\d+)\]\.(image|video|text)\b", llm_param or "")
     if at is None:
         return llm_param
     i, j = int(at.group(1)), int(at.group(2))
     content = request.messages[i].content if i < len(request.messages) else None
+    if isinstance(content, str):  # sent as the message's one text part
+        return f"messages[{i}].content"
     part = content[j] if isinstance(content, list) and j < len(content) else None
     return f"{_part_param(i, j)}.{_media_field(part)}" if isinstance(part, MediaPart) else llm_param
 

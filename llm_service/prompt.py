@@ -12,6 +12,7 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizerBase
 
 from llm_service.chat_request import MediaInput, PromptMessage
+from shared.errors import InvalidInput
 
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
@@ -42,8 +43,9 @@ class PromptBuilder:
     def render(self, messages: list[PromptMessage]) -> str:
         """The chat template's text (add_generation_prompt=True): cheap next to tokenizing it."""
         text = self.tokenizer.apply_chat_template(
-            [_template_message(message) for message in messages], tokenize=False, add_generation_prompt=True
-        )
+            [_template_message(message, i) for i, message in enumerate(messages)], tokenize=False,
+            add_generation_prompt=True,
+        )  # fmt: skip
         if not isinstance(text, str):  # tokenize=False renders text; the type admits more
             raise TypeError(f"chat template rendered {type(text).__name__}, not text")
         return text
@@ -69,16 +71,22 @@ class PromptBuilder:
         return ids
 
 
-def _template_message(message: PromptMessage) -> dict:
-    """The message in the form chat templates take: {"role", "content": [typed parts]}."""
+def _template_message(message: PromptMessage, index: int) -> dict:
+    """The message (messages[index]) in the form chat templates take: {"role", "content": [typed
+    parts]}."""
     content: list[dict] = []
-    for part in message.parts:
+    for j, part in enumerate(message.parts):
         if isinstance(part, MediaInput):
             content.append({"type": part.modality})
         else:
-            # A literal pad token in user text would take the place of an image's rows; refuse it.
-            if IMAGE_PAD in part or VIDEO_PAD in part:
-                raise ValueError(f"text may not contain {IMAGE_PAD} or {VIDEO_PAD}")
+            # A literal pad token in user text would take the place of an image's rows; refuse it,
+            # naming the part (a request may hold thousands).
+            for pad in (IMAGE_PAD, VIDEO_PAD):
+                if pad in part:
+                    raise InvalidInput(
+                        f"text may not contain {pad}: send images and videos as content parts, not as "
+                        "their placeholder token", param=f"messages[{index}].content[{j}].text",
+                    )  # fmt: skip
             content.append({"type": "text", "text": part})
     return {"role": message.role, "content": content}
 

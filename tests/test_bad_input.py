@@ -244,6 +244,24 @@ def test_an_llm_services_complaint_names_the_requests_field(stack: Stack) -> Non
     assert caught.value.param == "messages[0].content[1].image.key"
 
 
+def test_a_placeholder_token_in_text_is_400_naming_the_part_that_holds_it(stack: Stack) -> None:
+    """`<|image_pad|>` in text would stand where an image's rows go; the refusal names the text
+    part, among many, by the request's own path (it named only `messages` before)."""
+    padded = {"type": "text", "text": "look: <|image_pad|>"}
+    many = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": [{"type": "text", "text": "and"}, padded]}]  # fmt: skip
+    cases = [
+        ([{"role": "user", "content": "a <|video_pad|> b"}], "messages[0].content"),  # a string content
+        (many, "messages[2].content[1].text"),
+    ]
+    for messages, param in cases:
+        error = _assert_error(_chat(stack, {"model": "ft-b", "max_tokens": 2, "messages": messages}), 400, param=param)
+        assert "text may not contain <|" in error["message"], error
+    with LLMClient(stack.llm_target("ft-b")) as llm, pytest.raises(ServiceError) as caught:
+        list(llm.generate("ft-b", [Message("user", ["fine"]), Message("user", ["x", "<|image_pad|>"])]))
+    assert caught.value.param == "messages[1].content[1].text"
+
+
 def test_gateway_re_encodes_once_when_a_key_vanishes_before_generate(stack: Stack, openai_client: OpenAI) -> None:
     encoder = stack.gateway_app.state.backends.encoder
     original_encode = encoder.encode
