@@ -84,10 +84,11 @@ class EncoderCore:
         min_px, max_px = self.limits.image_pixels.bounds(min_pixels, max_pixels)
         key = embedding_key(self.encoder_id, image_bytes, min_px, max_px, dtype=blob_dtype(self.vision.dtype))
         tracing.annotate({tracing.MEDIA_KEY: key})
+        field = _image_field(source)
 
         def preprocess() -> Preprocessed:
-            image = load_image(image_bytes, self.limits.max_decoded_pixels)
-            return self.vision.preprocess(image, min_px, max_px)
+            image = load_image(image_bytes, self.limits.max_decoded_pixels, param=field)
+            return self.vision.preprocess(image, min_px, max_px, param=field)
 
         return await self._single_flight(key, "image", preprocess)
 
@@ -162,7 +163,7 @@ class EncoderCore:
     ) -> bytes:
         """The image file's bytes; errors name `frame` (frames[i]) when the image is a video frame,
         whose bytes are charged to the video's `budget`."""
-        param = frame or "image_url"
+        param = frame or _image_field(source)
         if source.data is not None and source.url is None:
             data = source.data
         elif source.url is not None and source.data is None and is_data_url(source.url):
@@ -176,9 +177,7 @@ class EncoderCore:
         if budget is not None:
             budget.take(len(data))
         if len(data) > self.limits.max_image_bytes:
-            raise TooLarge(
-                f"image is {len(data)} bytes, over the limit of {self.limits.max_image_bytes}", param=frame or "image"
-            )
+            raise TooLarge(f"image is {len(data)} bytes, over the limit of {self.limits.max_image_bytes}", param=param)
         return data
 
     async def _encode_or_reuse(
@@ -230,3 +229,9 @@ class EncoderCore:
     def _result(self, key: str, blob: EmbeddingBlob, cache_hit: bool) -> EncodeResult:
         grid = [int(v) for v in blob.grid_thw[0].tolist()]
         return EncodeResult(key, grid, blob.num_tokens, cache_hit, self.encoder_id)
+
+
+def _image_field(source: MediaSource) -> str:
+    """The request's field that holds an image, which every complaint about it names: what is
+    wrong with the bytes of an image sent by URL is wrong with the `image_url` the client sent."""
+    return "image_url" if source.url is not None else "image_bytes"

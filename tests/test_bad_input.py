@@ -172,6 +172,9 @@ def test_bad_images_are_400_and_memory_stays_bounded(stack: Stack, image: bytes,
     peak_before_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     error = _assert_error(_chat(stack, _image_chat("ft-a", _url_part(data_url(image)))), 400)
     assert message in error["message"]
+    # The encode API names its own body's field (it named "image", a field no request has).
+    encode = httpx.post(f"{stack.base_url}/v1/images/encode", json={"image_url": data_url(image)}, timeout=120)
+    assert message in _assert_error(encode, 400, param="image_url")["message"]
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before_kib < 200 * 1024
 
 

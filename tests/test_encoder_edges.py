@@ -61,7 +61,7 @@ def test_aspect_ratio_over_200_is_invalid_input_naming_ratio_and_limit(encoder: 
             client.encode_video([png_bytes(1, (10, 2010)), png_bytes(2, (10, 2010))])
         # Exactly 200 is what transformers still accepts.
         assert client.encode(image_bytes=png_bytes(1, (400, 2))).grid_thw[0] == 1
-    assert image_error.value.param == "image" and frame_error.value.param == "frames[0]"
+    assert image_error.value.param == "image_bytes" and frame_error.value.param == "frames[0]"
 
 
 def test_a_negative_pixel_bound_is_invalid_input_naming_that_bound(encoder: EncoderServer) -> None:
