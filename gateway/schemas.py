@@ -67,7 +67,8 @@ class TextPart(StrictRequest):
 class ImageUrl(StrictRequest):
     model_config = ConfigDict(extra="ignore")
     url: str = Field(min_length=1, description="An http(s) URL or a data:image/...;base64 URL.")
-    detail: str | None = Field(None, description="Accepted for compatibility; ignored.")
+    # OpenAI's three values (its API refuses others): accepted for compatibility, and ignored.
+    detail: Literal["auto", "low", "high"] | None = Field(None, description="auto, low or high; ignored.")
 
 
 class ImageUrlPart(StrictRequest):

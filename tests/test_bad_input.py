@@ -118,6 +118,9 @@ def test_bad_fields_are_400_naming_the_param(stack: Stack, body: dict, param: st
         ({"type": "text", "text": 5}, "messages[0].content[0].text"),
         ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}, "min_pixels": -5},
          "messages[0].content[0].min_pixels"),
+        # OpenAI refuses a detail other than auto, low or high; it was accepted.
+        ({"type": "image_url", "image_url": {"url": "https://example.com/a.png", "detail": "ultra"}},
+         "messages[0].content[0].image_url.detail"),
     ],
 )  # fmt: skip
 def test_a_bad_content_part_is_400_naming_the_part_and_field(stack: Stack, part: dict, param: str) -> None:
