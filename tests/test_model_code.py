@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +21,7 @@ from llm_service.engines.base import EngineRequest, GenerationDelta, MediaItem, 
 from llm_service.engines.transformers_engine import TransformersEngine, expand_pads
 from llm_service.prompt import PromptBuilder
 from shared.encoder_id import compute_encoder_id
+from shared.errors import InvalidInput
 from tests.model_fixtures import build_test_checkpoints, make_image
 from tests.reference import reference_greedy_tokens
 
@@ -145,9 +147,10 @@ def test_prompt_has_one_pad_per_image_and_the_engine_expands_each_to_its_rows(en
 
 def test_prompt_refuses_pad_tokens_in_text(ckpts: dict[str, Path]) -> None:
     builder = PromptBuilder(AutoTokenizer.from_pretrained(ckpts["base"]))
-    for sneaky in ("sneaky <|image_pad|>", "<|video_pad|>"):
-        with pytest.raises(ValueError, match="image_pad"):
-            builder.build([PromptMessage("user", [sneaky])])
+    for sneaky, pad in (("sneaky <|image_pad|>", "<|image_pad|>"), ("<|video_pad|>", "<|video_pad|>")):
+        with pytest.raises(InvalidInput, match=re.escape(f"text may not contain {pad}")) as caught:
+            builder.build([PromptMessage("user", ["fine"]), PromptMessage("user", ["fine", sneaky])])
+        assert caught.value.param == "messages[1].content[1].text"
 
 
 # --- transformers engine ------------------------------------------------------------------
