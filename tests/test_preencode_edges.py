@@ -91,7 +91,12 @@ def test_ctrl_c_reports_what_the_manifest_holds_and_exits_130(
 ) -> None:
     manifest = tmp_path / "out.jsonl"
     args = ["--encoder", lone_encoder.target, "--concurrency", "1", "--manifest", str(manifest), str(many_images)]
-    process = subprocess.Popen([*COMMAND, *args], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C as at a terminal, however the suite was started: a shell starts a background job
+    # (`.ci/run &`) with SIGINT ignored, which its children inherit, and Python then keeps it ignored.
+    process = subprocess.Popen(
+        [*COMMAND, *args], cwd=REPO, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     deadline = time.monotonic() + 60
     while not manifest.exists() or len(manifest.read_text().splitlines()) < 3:
         assert process.poll() is None and time.monotonic() < deadline, "the run should still be under way"
