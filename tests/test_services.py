@@ -92,8 +92,10 @@ def test_concurrent_distinct_encodes_share_forward_passes(stack: Stack) -> None:
 
     encoded, passes = asyncio.run(burst())
     # Calls reach the encoder over gRPC a few ms apart; each announces its image before decoding it,
-    # so the burst shares a pass or two (tests/test_encoder_batching.py pins the exact batching).
-    assert encoded == 6 and passes <= 2
+    # so the burst shares passes: one or two on a quiet machine, three seen with the whole suite
+    # running on 2 slow cores. Fewer passes than images is the property here;
+    # tests/test_encoder_batching.py pins the exact batching.
+    assert encoded == 6 and passes < encoded
 
 
 def test_get_embedding_returns_a_valid_blob(stack: Stack) -> None:
