@@ -207,10 +207,8 @@ class VLLMEngine(Engine):
         finished = False
         stream: AsyncGenerator[RequestOutput, None] | None = None
         try:
-            # Rendered here, as vLLM's docs advise: a raw prompt would be rendered on vLLM's thread
-            # pool, a hop per request that costs more CPU than the render of a tokenized prompt.
-            (rendered,) = engine.renderer.render_cmpl([self.vllm_prompt(request, handed_off=set(held))])
-            stream = engine.generate(rendered, self.vllm_sampling_params(request.sampling), request_id)
+            prompt = self.vllm_prompt(request, handed_off=set(held))
+            stream = engine.generate(prompt, self.vllm_sampling_params(request.sampling), request_id)
             async for output in stream:
                 finished = output.finished
                 delta = deltas.build(output.outputs[0], finished)
