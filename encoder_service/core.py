@@ -61,6 +61,7 @@ class EncoderLimits:
     video_pixels: PixelPolicy  # per frame
     max_video_frames: int = 64
     max_video_bytes: int = 64 * 1024 * 1024  # a video's frames together (ByteBudget)
+    max_video_total_pixels: int = 0  # a video's resized frames together (video.check_total_pixels); 0: no limit
 
 
 @dataclass
@@ -111,7 +112,9 @@ class EncoderCore:
                 load_image(data, self.limits.max_decoded_pixels, param=f"frames[{i}]")
                 for i, data in enumerate(frame_bytes)
             )
-            return preprocess_video(self.vision.processor, decoded, min_px, max_px)
+            return preprocess_video(
+                self.vision.processor, decoded, min_px, max_px, len(frame_bytes), self.limits.max_video_total_pixels
+            )
 
         return await self._single_flight(key, "video", preprocess)
 

@@ -89,6 +89,9 @@ def _batcher(
 
 
 def _limits(settings: EncoderSettings, vision: VisionEncoder) -> EncoderLimits:
+    # A video frame's bounds: the operator's, else the checkpoint's, as AutoProcessor and vLLM take them.
+    video_min = settings.video_min_pixels or vision.frame_bounds[0]
+    video_max = settings.video_max_pixels or vision.frame_bounds[1]
     return EncoderLimits(
         max_image_bytes=settings.max_image_bytes,
         max_decoded_pixels=settings.max_decoded_pixels,
@@ -101,11 +104,12 @@ def _limits(settings: EncoderSettings, vision: VisionEncoder) -> EncoderLimits:
             vision.resize_factor,
         ),
         video_pixels=PixelPolicy(
-            settings.video_min_pixels,
-            settings.video_max_pixels,
-            settings.video_max_pixels_limit or settings.video_max_pixels,
+            video_min,
+            video_max,
+            settings.video_max_pixels_limit or video_max,
             vision.resize_factor,
         ),
+        max_video_total_pixels=settings.max_video_total_pixels,
         fetch=FetchPolicy(
             settings.fetch_timeout_s,
             settings.max_image_bytes,

@@ -63,17 +63,29 @@ class EncoderSettings(StoreSettings, GrpcServerSettings):
         description="Most bytes of image files one video's frames hold together, sent or fetched (a fetch is "
         "charged as its bytes arrive), so a video of URLs cannot hold max_video_frames x max_image_bytes.",
     )
-    video_min_pixels: int = Field(
-        128 * 28 * 28, gt=0, description="Default lower bound on a video frame's resized pixel count."
+    video_min_pixels: int | None = Field(
+        None,
+        gt=0,
+        description="Default lower bound on a video frame's resized pixel count; unset = the checkpoint's, as "
+        "transformers' AutoProcessor and vLLM take it (its video processor config, else its image processor's).",
     )
-    video_max_pixels: int = Field(
-        768 * 28 * 28, gt=0, description="Default upper bound on a video frame's resized pixel count."
+    video_max_pixels: int | None = Field(
+        None,
+        gt=0,
+        description="Default upper bound on a video frame's resized pixel count; unset = the checkpoint's, as "
+        "for video_min_pixels.",
     )
     video_max_pixels_limit: int | None = Field(
         None,
         gt=0,
-        description="Highest per-frame max_pixels (or min_pixels) a video request may ask for; unset = "
-        "video_max_pixels.",
+        description="Highest per-frame max_pixels (or min_pixels) a video request may ask for; unset = the "
+        "default upper bound (video_max_pixels).",
+    )
+    max_video_total_pixels: int = Field(
+        64 * 768 * 28 * 28,
+        gt=0,
+        description="Most pixels one video's frames hold together once resized (frames x each frame's resized "
+        "size); the default is 64 frames at 768x28x28 (qwen-vl-utils' per-frame cap).",
     )
     max_batch_size: int = Field(8, ge=1, description="Most images in one vision-tower forward pass.")
     batch_wait_ms: float = Field(5.0, ge=0, description="How long the first image of a batch waits for others.")

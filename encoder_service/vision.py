@@ -24,6 +24,7 @@ from encoder_service.cuda_graphs import TowerGraphs
 from encoder_service.fast_tower import CpuMatmul, make_fast
 from encoder_service.pixels import resize_like_autoprocessor, target_size
 from encoder_service.resize import check_aspect_ratio
+from encoder_service.video import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, checkpoint_frame_bounds
 from shared.blob import tokens_for_grid
 from shared.encoder_id import is_vision_key, vision_name
 
@@ -95,10 +96,12 @@ class VisionEncoder:
         dtype: torch.dtype,
         cpu_matmul: CpuMatmul = "onednn",
         cuda_graphs: int = 0,
+        frame_bounds: tuple[int, int] = (VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS),
     ) -> None:
         # make_fast first: make_batch_invariant runs the forwards it sets once per image.
         self.tower = make_batch_invariant(make_fast(tower, cpu_matmul))
         self.processor = processor
+        self.frame_bounds = frame_bounds  # a video frame's default (min_pixels, max_pixels): the checkpoint's
         self.device = device
         self.dtype = dtype
         # GPU towers: up to `cuda_graphs` image shapes replayed as CUDA graphs (cuda_graphs.py).
@@ -129,7 +132,8 @@ class VisionEncoder:
                 f"image processor merge_size {processor.merge_size} != "
                 f"vision spatial_merge_size {vision_config.spatial_merge_size} in {checkpoint_dir}"
             )
-        return cls(tower, processor, torch.device(device), dtype, cpu_matmul, cuda_graphs)
+        frame_bounds = checkpoint_frame_bounds(checkpoint_dir)
+        return cls(tower, processor, torch.device(device), dtype, cpu_matmul, cuda_graphs, frame_bounds)
 
     @property
     def merge_size(self) -> int:

@@ -39,14 +39,15 @@ def reference_video_greedy_tokens(
 ) -> list[int]:
     """Greedy completion token ids for one video (its frames) and one question.
 
-    The frames go through transformers' own Qwen2VLVideoProcessor (it needs torchvision, which the
-    test environment provides) without resizing: callers pass frames already at the size the
-    encoder's defaults keep, so both sides see the same pixels.
+    The frames go through the video processor `AutoProcessor` loads for the checkpoint, with its
+    defaults (it resizes them; it needs torchvision, which the test environment provides), every
+    frame as given (no sampling).
     """
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+    from transformers import AutoVideoProcessor
 
     video = torch.stack([torch.from_numpy(np.array(frame)).permute(2, 0, 1) for frame in frames])
-    vision = Qwen2VLVideoProcessor()(videos=[video], do_resize=False, do_sample_frames=False, return_tensors="pt")
+    processor = AutoVideoProcessor.from_pretrained(checkpoint)
+    vision = processor(videos=[video], do_sample_frames=False, return_tensors="pt")
     return _greedy_with_pixels(checkpoint, "video", question, max_new_tokens, dict(vision))
 
 

@@ -147,13 +147,56 @@ def test_pixel_bounds_past_the_checkpoint_default_are_refused_naming_the_limit(e
             client.encode(image_bytes=image, max_pixels=limit + 1)
         with pytest.raises(InvalidInput, match=f"limit of {limit}") as upscaled:
             client.encode(image_bytes=image, min_pixels=limit + 1)  # upscaling is as costly
-        with pytest.raises(InvalidInput, match="limit of 602112") as frame_too_big:
-            client.encode_video([image, image], max_pixels=602_113)
+        with pytest.raises(InvalidInput, match=f"limit of {limit}") as frame_too_big:
+            client.encode_video([image, image], max_pixels=limit + 1)  # a frame's bound is the checkpoint's too
         with pytest.raises(InvalidInput, match="784"):
             client.encode(image_bytes=image, max_pixels=100)
         assert client.encode(image_bytes=image, max_pixels=limit // 4).num_tokens > 0  # lowering is fine
     assert too_big.value.param == "max_pixels" and frame_too_big.value.param == "max_pixels"
     assert upscaled.value.param == "min_pixels"
+
+
+def test_video_frames_default_to_the_checkpoints_bounds_unless_the_operator_sets_them(
+    encoder: EncoderServer, checkpoints: dict[str, Path], redis_server: RedisServer, background_loop: BackgroundLoop
+) -> None:
+    """Frames are resized within the checkpoint's bounds, as AutoProcessor and vLLM resize them
+    (tests/test_video.py compares the pixels and answers); ENCODER_VIDEO_MIN/MAX_PIXELS replace
+    them. The encoder used qwen-vl-utils' 100,352..602,112 whatever the checkpoint said: 640x480
+    frames became [2, 34, 46] where AutoProcessor makes [2, 12, 18] of them (tiny checkpoint)."""
+    frames = [png_bytes(seed, (640, 480)) for seed in range(4)]
+    with EncoderClient(_target(encoder)) as client:
+        assert client.encode_video(frames).grid_thw == [2, 12, 18]
+    configured = _start(
+        background_loop, checkpoint=str(checkpoints["base"]), redis_url=redis_server.url,
+        video_min_pixels=128 * 28 * 28, video_max_pixels=768 * 28 * 28,
+    )  # fmt: skip
+    try:
+        with EncoderClient(_target(configured)) as client:
+            assert client.encode_video(frames).grid_thw == [2, 34, 46]
+    finally:
+        background_loop.run(configured.stop())
+
+
+def test_a_video_over_the_total_pixel_limit_is_refused_naming_its_frames(
+    checkpoints: dict[str, Path], redis_server: RedisServer, background_loop: BackgroundLoop
+) -> None:
+    """Per-frame bounds alone do not bound a video's cost: its frames together may hold
+    ENCODER_MAX_VIDEO_TOTAL_PIXELS once resized. 224x224 frames keep their size (50,176 pixels)."""
+    limit = 3 * 224 * 224
+    server = _start(
+        background_loop, checkpoint=str(checkpoints["base"]), redis_url=redis_server.url, max_video_total_pixels=limit
+    )
+    frames = [png_bytes(seed, (224, 224)) for seed in range(4)]
+    try:
+        with EncoderClient(_target(server)) as client:
+            with pytest.raises(InvalidInput, match=f"4 frames, resized to 224x224 pixels each, hold 200704 pixels; "
+                               f"the limit is {limit}") as too_many:  # fmt: skip
+                client.encode_video(frames)
+            assert too_many.value.param == "frames"
+            assert client.encode_video(frames[:3]).grid_thw == [2, 16, 16]
+            assert client.encode_video(frames, max_pixels=112 * 112).grid_thw == [2, 8, 8]  # smaller frames fit
+    finally:
+        background_loop.run(server.stop())
 
 
 # --- 3b. a huge image does not hold up a small one -------------------------------------------

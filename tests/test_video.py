@@ -6,6 +6,8 @@ from __future__ import annotations
 import base64
 import io
 import itertools
+import json
+import shutil
 from pathlib import Path
 
 import httpx
@@ -17,7 +19,7 @@ from PIL import Image
 from transformers import AutoConfig, AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from encoder_service.video import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, preprocess_video
+from encoder_service.video import checkpoint_frame_bounds, preprocess_video
 from llm_service.chat_request import MediaInput, PromptMessage
 from llm_service.engines.base import EngineRequest, EngineShape, MediaItem
 from llm_service.engines.transformers_engine import expand_pads
@@ -32,9 +34,8 @@ from tests.model_fixtures import make_image
 from tests.reference import reference_video_greedy_tokens
 
 MAX_TOKENS = 10
-# 308x336 is a multiple of 28 inside the default video pixel bounds: the encoder keeps the size,
-# so transformers' video processor can be given the same pixels without resizing.
-FRAME_SIZE = (336, 308)
+# Over the tiny checkpoint's 50,176 pixels: AutoProcessor, and the encoder, resize the frames.
+FRAME_SIZE = (300, 200)
 
 
 def _frames(seed: int, count: int = 4) -> list[Image.Image]:
@@ -145,9 +146,9 @@ def test_sdk_encodes_a_video_once_with_t_above_one(stack: Stack, checkpoints: di
         again = encoder.encode_video([data_url(_png(f)) for f in frames])  # same bytes, other form
         assert encoder.stats().images_encoded == before + 1
         blob = decode_blob(encoder.get_embedding(first.key), BlobRules(2, 256, frozenset({first.encoder_id})))
-    assert first.grid_thw == [3, 22, 24] and first.num_tokens == 3 * 22 * 24 // 4
+    assert first.grid_thw == [3, 12, 18] and first.num_tokens == 3 * 12 * 18 // 4  # AutoProcessor's grid
     assert (again.key, again.cache_hit, first.cache_hit) == (first.key, True, False)
-    assert blob.modality == "video" and blob.grid_thw.tolist() == [[3, 22, 24]]
+    assert blob.modality == "video" and blob.grid_thw.tolist() == [[3, 12, 18]]
     question = "Describe the video."
     with LLMClient(stack.llm_target("ft-b")) as llm:
         chunks = list(llm.generate("ft-b", [Message("user", [VideoKey(first.key), question])], Sampling(max_tokens=8)))
@@ -221,10 +222,49 @@ def test_video_embeds_inline_and_by_key_answer_like_frames(stack: Stack, strict_
     assert response.status_code == 400 and "rows" in response.json()["error"]["message"]
 
 
-def test_default_video_frame_bounds_are_transformers_defaults() -> None:
-    """encoder_service.video restates Qwen2VLVideoProcessor's size defaults (it cannot import it)."""
-    pytest.importorskip("torchvision")
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+def _video_processor_size(checkpoint: Path) -> tuple[int, int]:
+    from transformers import AutoVideoProcessor
 
-    size = Qwen2VLVideoProcessor().size
-    assert (VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS) == (size.shortest_edge, size.longest_edge)
+    size = AutoVideoProcessor.from_pretrained(checkpoint).size
+    return size.shortest_edge, size.longest_edge
+
+
+def test_default_frame_bounds_are_those_autoprocessor_takes_from_the_checkpoint(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """encoder_service.video finds a checkpoint's video frame bounds as transformers does (it cannot
+    load the video processor, which needs torchvision): the image processor's config where there
+    is no video one; a video one's `size`, or its min/max_pixels, where there is."""
+    pytest.importorskip("torchvision")
+    base = checkpoints["base"]
+    assert checkpoint_frame_bounds(base) == _video_processor_size(base) == (3136, 50176)
+    variants = {
+        "size": {"size": {"shortest_edge": 6272, "longest_edge": 25088}},
+        "pixels": {"min_pixels": 4704, "max_pixels": 31360, "size": {"shortest_edge": 1, "longest_edge": 2}},
+        "neither": {},
+    }
+    for name, config in variants.items():
+        checkpoint = tmp_path / name
+        shutil.copytree(base, checkpoint, ignore=shutil.ignore_patterns("*.safetensors"))
+        video_config = {"video_processor_type": "Qwen2VLVideoProcessor", **config}
+        (checkpoint / "video_preprocessor_config.json").write_text(json.dumps(video_config))
+        assert checkpoint_frame_bounds(checkpoint) == _video_processor_size(checkpoint), name
+    assert checkpoint_frame_bounds(tmp_path / "neither") == (128 * 28 * 28, 768 * 28 * 28)  # the class's
+
+
+def test_resized_video_pixels_equal_autoprocessors(checkpoints: dict[str, Path]) -> None:
+    """Frames the checkpoint's bounds resize (down: 300x200, up: 40x30) get AutoProcessor's pixels."""
+    pytest.importorskip("torchvision")
+    from transformers import AutoVideoProcessor
+
+    base = checkpoints["base"]
+    processor = AutoVideoProcessor.from_pretrained(base)
+    for width, height in ((300, 200), (40, 30)):
+        frames = [make_image(seed, width, height) for seed in range(4)]
+        pixels, grid = preprocess_video(
+            Qwen2VLImageProcessorPil.from_pretrained(base), frames, *checkpoint_frame_bounds(base)
+        )
+        video = torch.stack([torch.from_numpy(np.array(f)).permute(2, 0, 1) for f in frames])
+        expected = processor(videos=[video], do_sample_frames=False, return_tensors="pt")
+        assert grid.tolist() == expected["video_grid_thw"].tolist()
+        torch.testing.assert_close(pixels, expected["pixel_values_videos"], rtol=0, atol=1e-5)
