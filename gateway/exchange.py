@@ -10,7 +10,7 @@ Here, for each exchange:
 - an exception nobody answered becomes the OpenAI-shaped 500;
 - the request id is in force for every log line written while serving it, the request's trace
   span (shared.tracing) for every call made for it, and one summary line (gateway.summary) is
-  written when the exchange ends;
+  written when the exchange ends, with the status its client got (`_status`);
 - a client that hangs up before its response ended stops the serving of it (gateway.client_watch);
 - cleanups registered with `on_exchange_end` (an admission slot, an open generation) run once
   when the exchange ends: response sent, failed, or never started because the client left.
@@ -33,6 +33,7 @@ from gateway import metrics, summary
 from gateway.access import ApiKeys
 from gateway.client_watch import ClientWatch
 from gateway.errors import error_response
+from gateway.http_protocol import ANSWERED_BY_PROTOCOL
 from shared import tracing
 from shared.errors import Internal, ServiceError, TooLarge
 from shared.request_context import request_id_var
@@ -114,9 +115,10 @@ class ExchangeMiddleware:
             summary.summarised() as noted,
             tracing.http_server_span(scope["method"], scope["path"], request.headers, record=watched) as span,
         ):
+            body = _BodyReader(receive, response, scope, self._max_body_bytes)
             try:
                 self._admit(request)
-                async with ClientWatch(self._limited(receive, response, scope), lambda: response.ended) as watch:
+                async with ClientWatch(body.receive, lambda: response.ended) as watch:
                     await self.app(scope, watch.receive, response.send)
                 if watch.client_left:
                     logger.info("client went away from %s; stopped serving it", scope["path"])
@@ -130,7 +132,7 @@ class ExchangeMiddleware:
             finally:
                 await _run_cleanups(getattr(request.state, _CLEANUPS))
                 route = self._route_of(scope)
-                status = response.status or CLIENT_GONE
+                status = self._status(scope, response, body.cut)
                 metrics.HTTP_SECONDS.labels(route).observe((response.head_at or time.perf_counter()) - started)
                 metrics.HTTP_REQUESTS.labels(route, str(status)).inc()
                 if watched:
@@ -153,27 +155,46 @@ class ExchangeMiddleware:
             self._api_keys.check(request.headers.get("authorization"))
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > self._max_body_bytes:
-            raise self._too_large()
+            raise too_large(self._max_body_bytes)
 
-    def _limited(self, receive: Receive, response: _Response, scope: Scope) -> Receive:
-        """`receive` that answers 413 as soon as the body passes the limit, and stops the app reading."""
-        received = 0
+    @staticmethod
+    def _status(scope: Scope, response: _Response, body_cut: bool) -> int:
+        """The status an exchange is counted and logged with: what its client got. A request whose
+        body never came whole got no answer from the app (the framework answers the cut body 400,
+        to a closed connection): 499, or the protocol's own answer (a 408 for a body that stopped)."""
+        if body_cut:
+            return int(scope.get(ANSWERED_BY_PROTOCOL, CLIENT_GONE))
+        return response.status or CLIENT_GONE
 
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self._max_body_bytes:
-                    error = self._too_large()
-                    await response.answer(error, scope, receive)
-                    raise error
-            return message
 
-        return limited_receive
+class _BodyReader:
+    """`receive` for the app: answers 413 as soon as the body passes the limit (counted on the bytes
+    received, not on Content-Length) and stops the app reading; notes a body cut short (`cut`: the
+    connection closed before its last byte)."""
 
-    def _too_large(self) -> TooLarge:
-        return TooLarge(f"request body exceeds {self._max_body_bytes} bytes")
+    def __init__(self, receive: Receive, response: _Response, scope: Scope, max_body_bytes: int) -> None:
+        self._receive, self._response, self._scope = receive, response, scope
+        self._max_body_bytes = max_body_bytes
+        self._received = 0
+        self._complete = False
+        self.cut = False
+
+    async def receive(self) -> Message:
+        message = await self._receive()
+        if message["type"] == "http.request":
+            self._received += len(message.get("body", b""))
+            self._complete = not message.get("more_body", False)
+            if self._received > self._max_body_bytes:
+                error = too_large(self._max_body_bytes)
+                await self._response.answer(error, self._scope, self._receive)
+                raise error
+        elif message["type"] == "http.disconnect" and not self._complete:
+            self.cut = True
+        return message
+
+
+def too_large(max_body_bytes: int) -> TooLarge:
+    return TooLarge(f"request body exceeds {max_body_bytes} bytes")
 
 
 async def _run_cleanups(cleanups: list[Cleanup]) -> None:

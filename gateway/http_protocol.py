@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
+from typing import Any, cast
 
 import uvicorn
 from uvicorn._types import ASGIReceiveCallable, ASGISendCallable, Scope
@@ -29,6 +29,9 @@ from gateway.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
 Headers = list[tuple[bytes, bytes]]
+# In a request's scope: the status this protocol answered the request with while the app was still
+# reading its body (a 408), which the app's own answer, to a closed connection, must not replace.
+ANSWERED_BY_PROTOCOL = "gateway.answered_by_protocol"
 
 
 def _closing_error(message: str, code: str) -> tuple[Headers, bytes]:
@@ -131,6 +134,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         logger.info("closing the connection of %s (%d): %s", self._peer(), status, message)
         started = self.cycle is not None and self.cycle.response_started
         request_answered = started and not self._head_open  # the cycle is this request's once its head ended
+        if self.cycle is not None and not self._head_open and not started:
+            # The app is reading this request's body: it will see the connection close, and its
+            # exchange is counted and logged with the status the client got (gateway.exchange).
+            cast(dict[str, Any], self.cycle.scope)[ANSWERED_BY_PROTOCOL] = status
         if not request_answered and not self._responding():
             headers, body = _closing_error(message, code)
             headers = [*self.server_state.default_headers, *headers]  # server, date: as on uvicorn's own answers

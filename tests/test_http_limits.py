@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from scripts.redis_process import free_port
+from tests.metrics_text import metric_sum, scrape
 
 pytestmark = pytest.mark.integration
 
@@ -30,6 +31,7 @@ READ_TIMEOUT_S = 1.5
 KEEP_ALIVE_S = 2.0
 BACKEND_DEADLINE_S = 4.0
 MAX_HEADER_BYTES = 64 * 1024  # the default
+CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +171,29 @@ def test_a_body_that_stops_halfway_is_408_and_slow_requests_are_served(gateway: 
                           headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
     assert response.status_code >= 500 and "error" in response.json(), response.text
     assert response.elapsed.total_seconds() > READ_TIMEOUT_S
+
+
+def test_a_body_cut_short_is_counted_as_the_client_got_it_not_as_a_400(gateway: int) -> None:
+    """A body that stops is answered 408 by the protocol, one whose client hangs up gets nothing
+    (499); the app, still reading, is told the connection closed and answered 400 "error parsing
+    the body" to nobody, and that 400 was what /metrics and the log counted for both."""
+    metrics_url = f"http://127.0.0.1:{gateway}/metrics"
+
+    def count(status: str) -> float:
+        return metric_sum(scrape(metrics_url), "gateway_http_requests_total", route=CHAT, status=status)
+
+    before = {status: count(status) for status in ("400", "408", "499")}
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+    with _connect(gateway) as sock:
+        sock.sendall(head + b"Content-Length: 1000\r\n\r\n" + b'{"model":')
+        assert _status_and_error(_read_until_closed(sock))[0] == 408
+    with _connect(gateway) as sock:
+        sock.sendall(head + b"Content-Length: 1000\r\n\r\n" + b'{"model":')
+        time.sleep(0.3)  # the app is reading the body
+    deadline = time.monotonic() + 5
+    while count("499") == before["499"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert {status: count(status) - before[status] for status in before} == {"400": 0, "408": 1, "499": 1}
 
 
 def test_a_connection_that_never_sends_a_byte_is_closed_after_the_keep_alive(gateway: int) -> None:
