@@ -32,7 +32,10 @@ from tests.process_stack import VLLM_ENV, ProcessStack, process_stack
 # limit is low enough for a long video to pass it (test_an_encoder_pass_past_its_stall_limit...).
 STALL_S = 6.0
 ENCODER_STALL_S = 1.0
-STALL_ENV = {**VLLM_ENV, "LLM_STALL_S": str(STALL_S), "ENCODER_STALL_S": str(ENCODER_STALL_S)}
+# Video frames up to qwen-vl-utils' 768x28x28 pixels, not the tiny checkpoint's 50,176: that long
+# video's pass then takes seconds.
+STALL_ENV = {**VLLM_ENV, "LLM_STALL_S": str(STALL_S), "ENCODER_STALL_S": str(ENCODER_STALL_S),
+             "ENCODER_VIDEO_MAX_PIXELS": str(768 * 28 * 28)}  # fmt: skip
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
