@@ -181,7 +181,7 @@ async def run(args: argparse.Namespace, sources: list[str]) -> int:
         progress = Progress(tqdm(total=len(sources), unit="img", file=sys.stderr, dynamic_ncols=True))
         try:
             with manifest as out:
-                await _encode_all(client, args, sources, out, progress)
+                await encode_all(client, args, sources, out, progress)
         except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels this task, then raises KeyboardInterrupt
             progress.bar.close()
             print(
@@ -195,7 +195,7 @@ async def run(args: argparse.Namespace, sources: list[str]) -> int:
     return EXIT_FAILED if progress.failed else EXIT_OK
 
 
-async def _encode_all(
+async def encode_all(
     client: AsyncEncoderClient, args: argparse.Namespace, sources: list[str], out: TextIO, progress: Progress
 ) -> None:
     gate = asyncio.Semaphore(args.concurrency)
@@ -211,12 +211,20 @@ async def _encode_all(
     # manifest can be followed with `tail -f`); tasks are created at most WINDOW_PER_SLOT
     # per slot ahead of the oldest unwritten one, so a million-image list stays cheap.
     pending: deque[asyncio.Task[dict[str, Any]]] = deque()
-    for source in sources:
-        pending.append(asyncio.create_task(bounded(source)))
-        if len(pending) >= args.concurrency * WINDOW_PER_SLOT:
+    try:
+        for source in sources:
+            pending.append(asyncio.create_task(bounded(source)))
+            if len(pending) >= args.concurrency * WINDOW_PER_SLOT:
+                _write(out, await pending.popleft(), progress)
+        while pending:
             _write(out, await pending.popleft(), progress)
-    while pending:
-        _write(out, await pending.popleft(), progress)
+    finally:
+        # Stopped early (the manifest's reader went away, Ctrl-C): the calls still open are
+        # cancelled and awaited here. Left behind, they failed once the client closed, and asyncio
+        # printed each unread failure with its traceback after our one line.
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
 
 def _seconds(text: str) -> float | None:

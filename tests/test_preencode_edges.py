@@ -5,6 +5,8 @@ happened, never a traceback, and a manifest whose every line is whole."""
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import os
 import shutil
@@ -16,7 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tqdm import tqdm
 
+from encoder_service.preencode import Progress, encode_all
+from encoder_service.preencode import parse_args as preencode_args
+from shared.sdk import AsyncEncoderClient
 from tests.encoder_process import EncoderProcess
 from tests.harness import RedisServer
 from tests.images import png_bytes
@@ -128,6 +134,30 @@ def test_a_reader_that_goes_away_stops_the_run_with_one_line(lone_encoder: Encod
     assert process.wait(timeout=60) == 1
     assert "Traceback" not in stderr
     assert "preencode: the manifest's reader went away (broken pipe); stopped" in stderr
+
+
+class _GoneReader(io.StringIO):
+    """A manifest whose reader went away at once: its first line meets a broken pipe."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_stopped_run_leaves_no_call_behind(lone_encoder: EncoderProcess, many_images: Path) -> None:
+    """The run that stops on a broken pipe (above) left its other calls running; once the client
+    closed they failed, and asyncio printed each unread failure with its traceback after the one
+    line (seen in a CI rehearsal, the test above failing). Stopped, the run cancels and awaits them."""
+    sources = [str(path) for path in sorted(many_images.iterdir())[:40]]
+    args = preencode_args(["--encoder", lone_encoder.target, "--concurrency", "8"])
+
+    async def scenario() -> set[asyncio.Task[object]]:
+        async with AsyncEncoderClient(lone_encoder.target) as client:
+            progress = Progress(tqdm(total=len(sources), disable=True))
+            with pytest.raises(BrokenPipeError):
+                await encode_all(client, args, sources, _GoneReader(), progress)
+            return asyncio.all_tasks() - {asyncio.current_task()}  # type: ignore[operator]
+
+    assert asyncio.run(scenario()) == set()
 
 
 @pytest.fixture(scope="module")
