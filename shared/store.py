@@ -25,6 +25,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.maint_notifications import MaintNotificationsConfig
 
 from shared import tracing
 from shared.errors import TooLarge, Unavailable
@@ -135,6 +136,16 @@ def _list_of_bytes(reply: Awaitable[Any]) -> Awaitable[list[bytes | None]]:
     return cast("Awaitable[list[bytes | None]]", reply)
 
 
+# redis-py 8 sends every new connection CLIENT SETINFO and a request for maintenance notifications,
+# which Redis before 7.2 refuses: round trips per (re)connect, and each refusal it catches is left
+# in a reference cycle holding the frames that were connecting (our coroutines among them) until a
+# collection. Neither is used here.
+_QUIET_CONNECT: dict[str, Any] = {
+    "driver_info": None,
+    "maint_notifications_config": MaintNotificationsConfig(enabled=False),
+}
+
+
 def _connect(target: RedisTarget, config: StoreConfig) -> aioredis.Redis | RedisCluster:
     timeout = config.socket_timeout_s
     retry = Retry(ExponentialBackoff(cap=0.1, base=0.02), config.retries)
@@ -145,6 +156,7 @@ def _connect(target: RedisTarget, config: StoreConfig) -> aioredis.Redis | Redis
             socket_connect_timeout=timeout,
             retry=retry,
             retry_on_error=[RedisConnectionError, RedisTimeoutError],
+            **_QUIET_CONNECT,
         )
     if target.topology == "cluster":
         return RedisCluster(
@@ -155,6 +167,7 @@ def _connect(target: RedisTarget, config: StoreConfig) -> aioredis.Redis | Redis
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
             retry=retry,
+            **_QUIET_CONNECT,
         )
     if target.service_name is None:  # parse_redis_url names one for every sentinel URL
         raise ValueError(f"sentinel URL without a service name: {target.url!r}")
@@ -167,4 +180,5 @@ def _connect(target: RedisTarget, config: StoreConfig) -> aioredis.Redis | Redis
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
         retry=retry,
+        **_QUIET_CONNECT,
     )

@@ -11,6 +11,7 @@ shows what only it could have freed.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import types
 from collections.abc import Iterator
@@ -18,9 +19,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 from openai import OpenAI
 
-from tests.harness import Stack
+from shared.store import EmbeddingStore, StoreConfig
+from tests.harness import RedisServer, Stack
 from tests.images import data_url, png_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,3 +95,33 @@ def test_serving_requests_leaves_no_reference_cycle_of_ours(stack: Stack, collec
         gc.set_debug(0)
         gc.garbage.clear()
     assert not ours, f"left for the garbage collector: {ours}"
+
+
+def test_a_store_that_reconnects_leaves_no_frames_in_a_cycle(redis_server: RedisServer) -> None:
+    """redis-py 8 sent each new connection CLIENT SETINFO and a request for maintenance
+    notifications, which Redis before 7.2 refuses; each refusal it caught stayed in a reference
+    cycle with the frames that were connecting, and their callers' coroutines with them (a CI
+    rehearsal failed the test above so: a readiness check's coroutine, `_passes`, after a slow
+    PING dropped its connection). The store asks for neither."""
+
+    async def frames_left_after_reconnects() -> list[str]:
+        store = EmbeddingStore(StoreConfig(url=redis_server.url))
+        killer = redis.Redis.from_url(redis_server.url)
+        try:
+            assert await store.ping()
+            gc.collect()
+            gc.disable()
+            for _ in range(3):
+                killer.client_kill_filter(_type="normal", skipme=True)  # the store's connection
+                assert await store.ping()  # on a new connection
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            return sorted({thing.f_code.co_qualname for thing in gc.garbage if isinstance(thing, types.FrameType)})
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+            killer.close()
+            await store.aclose()
+
+    assert asyncio.run(frames_left_after_reconnects()) == []
