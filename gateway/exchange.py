@@ -155,7 +155,7 @@ class ExchangeMiddleware:
             self._api_keys.check(request.headers.get("authorization"))
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > self._max_body_bytes:
-            raise too_large(self._max_body_bytes)
+            raise _too_large(self._max_body_bytes)
 
     @staticmethod
     def _status(scope: Scope, response: _Response, body_cut: bool) -> int:
@@ -185,7 +185,7 @@ class _BodyReader:
             self._received += len(message.get("body", b""))
             self._complete = not message.get("more_body", False)
             if self._received > self._max_body_bytes:
-                error = too_large(self._max_body_bytes)
+                error = _too_large(self._max_body_bytes)
                 await self._response.answer(error, self._scope, self._receive)
                 raise error
         elif message["type"] == "http.disconnect" and not self._complete:
@@ -193,7 +193,7 @@ class _BodyReader:
         return message
 
 
-def too_large(max_body_bytes: int) -> TooLarge:
+def _too_large(max_body_bytes: int) -> TooLarge:
     return TooLarge(f"request body exceeds {max_body_bytes} bytes")
 
 
