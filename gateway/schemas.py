@@ -9,6 +9,7 @@ from typing import Annotated, Any, ClassVar, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from gateway.unicode_text import first_surrogate
+from gateway.unsupported import PLAIN_TEXT
 from shared.blob import Modality
 from shared.errors import InvalidInput
 from shared.sampling_limits import MAX_STOP_STRINGS, SAMPLING_BOUNDS
@@ -198,6 +199,10 @@ class ChatMessage(StrictRequest):
     content: str | list[ContentPart] = Field(
         description="A string, or a list of content parts in order; an assistant's may be null (no text)."
     )
+    # Read only to refuse: a past assistant turn's calls would be left out of the prompt, and the
+    # model would answer a conversation other than the one sent (this gateway takes no tools).
+    tool_calls: list[Any] | None = Field(None, description="Refused unless empty: no tools here.")
+    function_call: Any = Field(None, description="Refused unless null: no tools here.")
 
     @field_validator("role")
     @classmethod
@@ -211,6 +216,21 @@ class ChatMessage(StrictRequest):
         # OpenAI and vLLM take an assistant turn with null content (one that made tool calls) as
         # an empty one; anyone else's null stays a type error naming the field.
         return "" if content is None and info.data.get("role") == "assistant" else content
+
+    @field_validator("content")
+    @classmethod
+    def _parts_are_not_empty(cls, content: str | list[Any]) -> str | list[Any]:
+        # OpenAI refuses an empty list; taken as no text, the turn would vanish from the prompt.
+        if isinstance(content, list) and not content:
+            raise ValueError("must hold at least one content part (or be a string)")
+        return content
+
+    @field_validator("tool_calls", "function_call")
+    @classmethod
+    def _no_calls(cls, calls: Any) -> Any:
+        if calls:
+            raise ValueError(f"tool calls are not supported: {PLAIN_TEXT}")
+        return calls
 
 
 class StreamOptions(StrictRequest):

@@ -131,6 +131,40 @@ def test_a_bad_content_part_is_400_naming_the_part_and_field(stack: Stack, part:
     assert error["message"].startswith(f"{param}: ")
 
 
+_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    ("message", "param", "says"),
+    [
+        # OpenAI refuses an empty list of parts; taken as no text, the turn left the prompt.
+        ({"role": "user", "content": []}, "messages[1].content", "at least one content part"),
+        ({"role": "assistant", "content": []}, "messages[1].content", "at least one content part"),
+        # This gateway takes no tools; a past turn's calls were dropped from the prompt unsaid.
+        ({"role": "assistant", "content": None, "tool_calls": [_CALL]}, "messages[1].tool_calls", "tool calls"),
+        ({"role": "assistant", "content": "x", "function_call": _CALL["function"]}, "messages[1].function_call",
+         "tool calls"),
+    ],
+)  # fmt: skip
+def test_a_message_the_prompt_would_lose_is_400_naming_it(stack: Stack, message: dict, param: str, says: str) -> None:
+    """Each was a 200 answering a conversation other than the one sent."""
+    messages = [{"role": "user", "content": "hi"}, message, {"role": "user", "content": "and?"}]
+    error = _assert_error(_chat(stack, {"model": "ft-a", "messages": messages}), 400, param=param)
+    assert says in error["message"], error
+
+
+def test_an_answer_sent_back_as_the_openai_client_gives_it_is_taken(stack: Stack, openai_client: OpenAI) -> None:
+    """The client's message object carries tool_calls, function_call, refusal... all null: no call, no refusal."""
+    first = openai_client.chat.completions.create(
+        model="ft-a", messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0
+    )
+    replayed = first.choices[0].message.model_dump()
+    assert "tool_calls" in replayed and "function_call" in replayed, replayed
+    messages = [{"role": "user", "content": "hi"}, replayed, {"role": "user", "content": "and?"}]
+    second = openai_client.chat.completions.create(model="ft-a", messages=messages, max_tokens=3, temperature=0)
+    assert second.choices[0].finish_reason == "length"
+
+
 def test_unknown_model_is_404(stack: Stack, openai_client: OpenAI) -> None:
     _assert_error(
         _chat(stack, {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}),
