@@ -91,6 +91,10 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, object]]:
         # cut) in seconds, not at the TCP timeout; servers allow them (shared.grpc_server.grpc_options).
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        # What the transport waits for a ping's ack before it drops the connection. gRPC 1.85 times
+        # a keepalive ping by this (default 60 s), not by keepalive_timeout_ms: calls to a frozen
+        # service (SIGSTOP, a hung node) hung 70 s, not ~20 s (tests/test_grpc_keepalive.py).
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
