@@ -25,6 +25,7 @@ import uvicorn
 from uvicorn._types import ASGIReceiveCallable, ASGISendCallable, Scope
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from gateway import metrics
 from gateway.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     async def _answer_head_too_large(self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
         message, code = self._head_too_large()
         logger.info("answered 431 to %s: %s", self._peer(), message)  # no summary line: the app never saw it
+        metrics.HTTP_REQUESTS.labels(metrics.UNREAD_ROUTE, "431").inc()
         headers, body = _closing_error(message, code)
         await send({"type": "http.response.start", "status": 431, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
@@ -134,7 +136,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         logger.info("closing the connection of %s (%d): %s", self._peer(), status, message)
         started = self.cycle is not None and self.cycle.response_started
         request_answered = started and not self._head_open  # the cycle is this request's once its head ended
-        if self.cycle is not None and not self._head_open and not started:
+        app_reading = self.cycle is not None and not self._head_open and not started
+        if app_reading:
             # The app is reading this request's body: it will see the connection close, and its
             # exchange is counted and logged with the status the client got (gateway.exchange).
             cast(dict[str, Any], self.cycle.scope)[ANSWERED_BY_PROTOCOL] = status
@@ -143,6 +146,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             headers = [*self.server_state.default_headers, *headers]  # server, date: as on uvicorn's own answers
             lines = [STATUS_LINE[status]] + [name + b": " + value + b"\r\n" for name, value in headers]
             self.transport.write(b"".join([*lines, b"\r\n", body]))
+            if not app_reading:  # the app never saw this request, to count it
+                metrics.HTTP_REQUESTS.labels(metrics.UNREAD_ROUTE, str(status)).inc()
         self._stop_read_timer()
         self.transport.close()
 

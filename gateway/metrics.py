@@ -9,6 +9,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 HTTP_REQUESTS = Counter(
     "gateway_http_requests_total", "HTTP requests answered, by route and status.", ["route", "status"]
 )
+# The route of a request the HTTP protocol answered (431, 408) before the app saw its head.
+UNREAD_ROUTE = "unread"
 HTTP_SECONDS = Histogram(
     "gateway_http_request_seconds", "Time to the response head (streams: to the first event), by route.", ["route"],
     buckets=LATENCY_BUCKETS,

@@ -118,11 +118,22 @@ def _chat(model: str) -> bytes:
     return json.dumps(body).encode()
 
 
+def _unread_count(port: int, status: str) -> float:
+    """Requests the protocol answered before the app saw them, as /metrics counts them."""
+    text = scrape(f"http://127.0.0.1:{port}/metrics")
+    return metric_sum(text, "gateway_http_requests_total", route="unread", status=status)
+
+
 def test_a_head_over_the_limit_is_431_and_closed_and_one_under_it_is_served(gateway: int) -> None:
+    before = _unread_count(gateway, "431")
     with _connect(gateway) as sock:
         _send(sock, b"GET /v1/models HTTP/1.1\r\nHost: gateway\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n")
         status, error = _status_and_error(_read_until_closed(sock))
     assert status == 431 and error["code"] == "headers_too_large", error
+    with _connect(gateway) as sock:  # a head that ends within one read, measured by its parsed parts
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: gateway\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n")
+        assert _status_and_error(_read_until_closed(sock))[0] == 431
+    assert _unread_count(gateway, "431") - before == 2  # both were answered and counted nowhere
 
     started = time.monotonic()
     assert httpx.get(f"http://127.0.0.1:{gateway}/livez", timeout=5).status_code == 200
@@ -138,12 +149,14 @@ def test_a_head_over_the_limit_is_431_and_closed_and_one_under_it_is_served(gate
 
 
 def test_a_head_that_stops_halfway_is_408_and_closed(gateway: int) -> None:
+    before = _unread_count(gateway, "408")
     with _connect(gateway) as sock:
         sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: gateway\r\nX-Unfinished: a")
         started = time.monotonic()
         status, error = _status_and_error(_read_until_closed(sock))
     assert status == 408 and error["code"] == "request_timeout", error
     assert READ_TIMEOUT_S - 0.1 < time.monotonic() - started < READ_TIMEOUT_S + 3
+    assert _unread_count(gateway, "408") - before == 1
 
 
 def test_a_body_that_stops_halfway_is_408_and_slow_requests_are_served(gateway: int) -> None:
