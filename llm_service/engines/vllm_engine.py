@@ -16,6 +16,7 @@ carries only its grid; an item that could not be handed off goes inline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import tempfile
 import uuid
@@ -227,7 +228,10 @@ class VLLMEngine(Engine):
                 if stream is not None:
                     await stream.aclose()
                 if not finished and self.failure() is None:  # consumer gone or error: free the KV blocks now
-                    await engine.abort(request_id)
+                    # A dead engine holds no blocks; its death (between the check and the abort)
+                    # must not replace the error or cancellation that ends this call.
+                    with contextlib.suppress(EngineDeadError):
+                        await engine.abort(request_id)
             finally:  # even when cancelled mid-abort: the files' grace covers a step still under way
                 for item_uuid in held:
                     self.handoff.release(item_uuid)
