@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -39,22 +40,27 @@ def _next_or_error(stream: grpc.Call) -> object:
         return error
 
 
-def test_a_silent_call_outlives_the_clients_pings(stack: Stack) -> None:
+def _watch_ends(target: str, wait_s: float, then: Callable[[], None] = lambda: None) -> object:
+    """How a health Watch on `target`, the client pinging each PING_MS, ends within `wait_s` after
+    `then` runs (once the call is SERVING): its next message, its error, or None (still open).
+    Watch sends the status, then nothing until it changes: a call with no data flowing."""
     options = [(name, value) for name, value in channel_options(1024) if name != "grpc.keepalive_time_ms"]
-    with grpc.insecure_channel(
-        stack.encoder_target, options=[*options, ("grpc.keepalive_time_ms", PING_MS)]
-    ) as channel:
-        # Watch sends the status, then nothing until it changes: a call with no data flowing.
+    with grpc.insecure_channel(target, options=[*options, ("grpc.keepalive_time_ms", PING_MS)]) as channel:
         watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        then()
         outcome: queue.Queue[object] = queue.Queue()
         threading.Thread(target=lambda: outcome.put(_next_or_error(watch)), daemon=True).start()
         try:
-            ended = outcome.get(timeout=SILENT_S)
+            return outcome.get(timeout=wait_s)
         except queue.Empty:
-            ended = None
+            return None
         finally:
             watch.cancel()
+
+
+def test_a_silent_call_outlives_the_clients_pings(stack: Stack) -> None:
+    ended = _watch_ends(stack.encoder_target, SILENT_S)
     assert ended is None, f"the silent call ended after fewer than {SILENT_S:.0f} s: {ended}"
 
 
@@ -87,22 +93,8 @@ def test_a_call_to_a_frozen_server_fails_within_a_ping_and_its_timeout() -> None
     try:
         assert server.stdout is not None
         port = int(server.stdout.readline())
-        options = [(name, value) for name, value in channel_options(1024) if name != "grpc.keepalive_time_ms"]
-        with grpc.insecure_channel(
-            f"127.0.0.1:{port}", options=[*options, ("grpc.keepalive_time_ms", PING_MS)]
-        ) as channel:
-            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
-            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
-            server.send_signal(signal.SIGSTOP)
-            outcome: queue.Queue[object] = queue.Queue()
-            threading.Thread(target=lambda: outcome.put(_next_or_error(watch)), daemon=True).start()
-            frozen_at = time.monotonic()
-            try:
-                ended = outcome.get(timeout=FROZEN_FOUND_S)
-            except queue.Empty:
-                ended = None
-            finally:
-                watch.cancel()
+        frozen_at = time.monotonic()
+        ended = _watch_ends(f"127.0.0.1:{port}", FROZEN_FOUND_S, then=lambda: server.send_signal(signal.SIGSTOP))
         assert isinstance(ended, grpc.RpcError), f"a call to a frozen server still open after {FROZEN_FOUND_S} s"
         assert ended.code() == grpc.StatusCode.UNAVAILABLE, ended
         print(f"frozen server found after {time.monotonic() - frozen_at:.1f} s")
