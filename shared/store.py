@@ -171,7 +171,8 @@ def _connect(target: RedisTarget, config: StoreConfig) -> aioredis.Redis | Redis
         )
     if target.service_name is None:  # parse_redis_url names one for every sentinel URL
         raise ValueError(f"sentinel URL without a service name: {target.url!r}")
-    sentinel = Sentinel(list(target.nodes), socket_timeout=timeout)
+    # The sentinels' own connections: the same timeout, and quiet too.
+    sentinel = Sentinel(list(target.nodes), sentinel_kwargs={"socket_timeout": timeout, **_QUIET_CONNECT})
     return sentinel.master_for(
         target.service_name,
         db=target.db,
