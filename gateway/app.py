@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -53,8 +54,8 @@ async def _encode_response(
     )  # fmt: skip
 
 
-def model_object(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "vlm-encode-once"}
+def model_object(name: str, created: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "vlm-encode-once"}
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -78,6 +79,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         routes=app.router.routes,
     )
     admission = app.state.admission = Admission(settings.max_concurrent_requests)
+    # A model's "created": when this gateway began serving it (a Unix time, as OpenAI's; it was 0, 1970).
+    models_created = int(time.time())
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | EventStreamResponse:
@@ -111,13 +114,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
         names = request.app.state.backends.model_names
-        return {"object": "list", "data": [model_object(name) for name in names]}
+        return {"object": "list", "data": [model_object(name, models_created) for name in names]}
 
     @app.get("/v1/models/{model:path}")  # path: a fine-tune's name may hold "/" ("org/name")
     async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
         """One model, as the OpenAI clients' models.retrieve reads it; 404 model_not_found else."""
         request.app.state.backends.check_model(model)
-        return model_object(model)
+        return model_object(model, models_created)
 
     @app.post("/v1/images/encode")
     async def encode_image(body: EncodeImageRequest, request: Request) -> EncodeMediaResponse:

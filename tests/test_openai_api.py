@@ -291,6 +291,8 @@ def test_models_retrieve_reads_one_model_and_404s_an_unknown_one(openai_client: 
     """The official client's models.retrieve (GET /v1/models/{model}) was a bare 404 for every model."""
     model = openai_client.models.retrieve("ft-a")
     assert (model.id, model.object) == ("ft-a", "model")
+    assert time.time() - 24 * 3600 < model.created <= time.time(), model  # a real time, as OpenAI's; it was 0
+    assert [listed.created for listed in openai_client.models.list()] == [model.created] * 2
     with pytest.raises(openai.NotFoundError) as caught:
         openai_client.models.retrieve("nope")
     error = caught.value.response.json()["error"]
