@@ -124,7 +124,7 @@ class Service:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def launch(self) -> None:
+    def launch(self) -> subprocess.Popen[bytes]:
         with self.lock:
             log = open(self.log_path, "ab") if self.log_path else None  # the child keeps its own copy
             try:
@@ -141,6 +141,7 @@ class Service:
                 if log:
                     log.close()
             self.up, self.launched_at = True, time.monotonic()
+            return self.process
 
     def stop(self, timeout_s: float = 20) -> None:
         """SIGTERM (the service drains), SIGKILL after `timeout_s`; not relaunched."""
@@ -180,6 +181,7 @@ class Supervisor:
         self._services = services
         self._pause_s = {service.name: RELAUNCH_PAUSE_S[0] for service in services}
         self._due: dict[str, float] = {}
+        self._relaunched: list[subprocess.Popen[bytes]] = []  # started by this thread, so tied to it
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stack-supervisor", daemon=True)
 
@@ -188,14 +190,23 @@ class Supervisor:
         return self
 
     def stop(self) -> None:
+        """No more relaunches; returns once the services this thread relaunched have drained (each
+        stop is bounded: SIGKILL after its timeout)."""
         self._stopping.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
+            self._thread.join()
 
     def _run(self) -> None:
         while not self._stopping.wait(0.2):
             for service in self._services:
                 self._check(service)
+        # A process tied to its parent dies with the thread that started it: one relaunched here
+        # would be SIGKILLed as this thread ends, skipping its drain and its clean-up at exit (a
+        # vLLM service's /dev/shm handoff directory was left behind). It is stopped as the stack
+        # stops every service, first.
+        for service in self._services:
+            if service.tied_to_parent and service.process in self._relaunched:
+                service.stop()
 
     def _check(self, service: Service) -> None:
         code = service.failed()
@@ -214,7 +225,7 @@ class Supervisor:
         if now >= self._due[service.name]:
             with service.lock:
                 if service.failed() is not None and not self._stopping.is_set():  # nobody relaunched it meanwhile
-                    service.launch()
+                    self._relaunched.append(service.launch())
             del self._due[service.name]
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from scripts.ports import ephemeral_start, free_port
+from scripts.stack import Service, Supervisor
 from tests.harness import RedisServer
 
 # Starts processes of its own (see the tiers in tests/conftest.py).
@@ -55,6 +56,36 @@ def test_a_tied_child_runs_its_module_and_dies_with_its_parent(tmp_path: Path) -
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(child), "the tied child outlived its parent"
+
+
+def test_a_service_the_supervisor_relaunched_drains_when_the_stack_stops(tmp_path: Path) -> None:
+    """A tied child dies with the thread that started it: one the supervisor's thread relaunched was
+    SIGKILLed as that thread ended, at the stack's stop, skipping its drain (a vLLM service left its
+    /dev/shm handoff directory behind). It gets SIGTERM, as every other service does."""
+    drained = tmp_path / "drained"
+    (tmp_path / "drains.py").write_text(
+        "import pathlib, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: (pathlib.Path(sys.argv[0]).with_name('drained').touch(), sys.exit(0)))\n"
+        "time.sleep(120)\n"
+    )
+    service = Service("drains", "drains", {"PYTHONPATH": str(tmp_path)}, port=0, tied_to_parent=True)
+    service.launch()
+    first = service.process
+    assert first is not None
+    supervisor = Supervisor([service]).start()
+    try:
+        first.kill()  # a failure: relaunched after the first pause
+        deadline = time.monotonic() + 20
+        while service.process is first and time.monotonic() < deadline:
+            time.sleep(0.1)
+        relaunched = service.process
+        assert relaunched is not first and relaunched is not None, "the supervisor did not relaunch the service"
+        time.sleep(1)  # its SIGTERM handler installed
+    finally:
+        supervisor.stop()
+        service.stop()
+    assert relaunched.wait(timeout=30) == 0, "the relaunched service was killed, not drained"
+    assert drained.exists()
 
 
 def test_an_untied_launch_uses_plain_python_dash_m() -> None:
