@@ -242,11 +242,25 @@ async def _opened(
             raise
         return await _start(other, request, chat, sampling, request_id)
     except EmbeddingNotFound as error:
-        lost = [key for key in error.keys if key in chat.sources]
-        if not lost or len(lost) != len(error.keys):
+        if not _all_ours(error, chat):
             raise
-        await asyncio.gather(*(_encode(backends, chat.sources[key], request_id) for key in lost))
-        return await _start(llm, request, chat, sampling, request_id)
+        await asyncio.gather(*(_encode(backends, chat.sources[key], request_id) for key in error.keys))
+        try:
+            return await _start(llm, request, chat, sampling, request_id)
+        except EmbeddingNotFound as again:
+            if not _all_ours(again, chat):
+                raise
+            # Stored twice for this request and gone twice before its LLM service read them: the
+            # store evicts faster than requests use what it holds (Redis at maxmemory). Not the
+            # client's doing, whose request named no key: a 404 named keys it never sent.
+            lost = Unavailable(f"keys stored for this request were evicted before use, twice: {', '.join(again.keys)}")
+            lost.subject = ENCODING
+            raise lost from None
+
+
+def _all_ours(error: EmbeddingNotFound, chat: PreparedChat) -> bool:
+    """Whether every key the LLM service missed is one this gateway stored from the request's sources."""
+    return bool(error.keys) and all(key in chat.sources for key in error.keys)
 
 
 def _finished(request: ChatCompletionRequest, chunk: GenerationChunk, first_at: float) -> None:
