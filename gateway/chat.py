@@ -253,9 +253,9 @@ async def _opened(
             # Stored twice for this request and gone twice before its LLM service read them: the
             # store evicts faster than requests use what it holds (Redis at maxmemory). Not the
             # client's doing, whose request named no key: a 404 named keys it never sent.
-            lost = Unavailable(f"keys stored for this request were evicted before use, twice: {', '.join(again.keys)}")
-            lost.subject = ENCODING
-            raise lost from None
+            with failing_as(ENCODING):
+                evicted = ", ".join(again.keys)
+                raise Unavailable(f"keys stored for this request were evicted before use, twice: {evicted}") from None
 
 
 def _all_ours(error: EmbeddingNotFound, chat: PreparedChat) -> bool:

@@ -89,8 +89,6 @@ def test_a_service_the_supervisor_relaunched_drains_when_the_stack_stops(tmp_pat
 
 
 def test_an_untied_launch_uses_plain_python_dash_m() -> None:
-    from scripts.stack import Service
-
     service = Service("version", "platform", {}, port=0)
     service.launch()
     assert service.process is not None
